@@ -1,0 +1,189 @@
+"""The typed configuration schema: one dataclass per section of the YAML file.
+
+Every setting a run can take lives here, with its default. Loading, merging and
+validation live beside it (``loader.py``, ``validate.py``); nothing else in the
+package invents settings of its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class ModelConfig:
+    """Shape and architecture switches of the one transformer (GPT and Llama are presets)."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: Optional[int] = None  # None: 4 * hidden (gelu) or Llama's 2/3 * 4 * hidden rounded (swiglu)
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None  # None: multi-head attention (= num_attention_heads)
+    kv_channels: Optional[int] = None  # None: hidden_size // num_attention_heads
+    seq_length: int = 64
+    max_position_embeddings: Optional[int] = None  # None: seq_length
+    vocab_size: int = 1024  # the tokenizer's vocabulary; padded for TP, padding never changes the loss
+    make_vocab_size_divisible_by: int = 128
+    position_embedding: str = "learned"  # learned | rope
+    rope_base: float = 10000.0
+    rope_scaling_factor: Optional[float] = None  # Llama-3 frequency scaling; None: off
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    activation: str = "gelu"  # gelu | swiglu
+    bias: bool = True
+    tie_embeddings: bool = True
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    init_std: float = 0.02
+    recompute: str = "none"  # none | full | selective
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.activation == "swiglu":
+            return 256 * -(-(8 * self.hidden_size // 3) // 256)  # Llama's rounding to a multiple of 256
+        return 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings if self.max_position_embeddings is not None else self.seq_length
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Vocab rounded up to a multiple of make_vocab_size_divisible_by * tp (Megatron's rule)."""
+        multiple = self.make_vocab_size_divisible_by * tp
+        return multiple * -(-self.vocab_size // multiple)
+
+
+@dataclass
+class ParallelConfig:
+    """How the world is cut: TP x PP x DP, rank order, Domino and the pipeline layout."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: Optional[int] = None  # None: world_size // (tp * pp)
+    virtual_pp: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
+    order: str = "tp-dp-pp"  # innermost axis first
+    sequence_parallel: bool = False
+    domino: bool = False
+    domino_chunks: int = 2  # micro-batch split into this many mu-chunks (row split)
+    domino_split: str = "row"  # row | column | 2d
+    domino_overlap: str = "inter"  # intra | inter
+    pipeline_partition: str = "uniform"  # uniform | parameters
+    pipeline_layout: Optional[list] = None  # explicit layers per stage, e.g. [3, 5]
+    variable_seq_lengths: bool = False
+    backend: str = "auto"  # auto | nccl | gloo
+    timeout_s: float = 600.0  # collective / p2p watchdog timeout
+
+
+@dataclass
+class TrainConfig:
+    """The loop: length, batch, seed, precision and evaluation cadence."""
+
+    steps: int = 20
+    tokens: Optional[int] = None  # stop after this many tokens when set (whichever comes first)
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    seed: int = 1234
+    fp16: bool = False
+    bf16: bool = False
+    eval_interval: int = 0  # 0: no periodic evaluation
+    eval_iters: int = 2
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer, ZeRO stage, clipping, loss scaling and the LR schedule."""
+
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.9  # sgd only
+    clip_grad: float = 1.0  # 0: no clipping
+    zero_stage: int = 1  # 0 | 1 | 2
+    bucket_size_mb: float = 25.0
+    overlap_grad_reduce: bool = True
+    accumulate_grads_in_fp32: bool = True
+    lr_schedule: str = "cosine"  # constant | cosine | linear | wsd
+    warmup_steps: int = 0
+    decay_steps: Optional[int] = None  # None: train.steps - warmup_steps
+    wsd_decay_fraction: float = 0.1  # share of decay_steps spent in the WSD cool-down
+    initial_loss_scale: float = 2.0**16
+    loss_scale_window: int = 1000  # growth interval
+    loss_scale_backoff: float = 0.5
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    """Megatron-format data: prefixes (optionally weighted), split and EOD handling."""
+
+    path: Optional[list] = None  # ["PREFIX"] or ["0.3", "PREFIX_A", "0.7", "PREFIX_B"]
+    split: str = "949,50,1"
+    cache_dir: Optional[str] = None  # None: beside the data
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    mock: bool = False  # synthetic tokens, for tests and benchmarks only
+
+
+@dataclass
+class TokenizerConfig:
+    """Which tokenizer turns text into ids (preprocessing) and which ids are special (training)."""
+
+    type: str = "NullTokenizer"  # GPT2BPETokenizer | SentencePieceTokenizer | HuggingFaceTokenizer | NullTokenizer
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    model: Optional[str] = None  # SentencePiece .model or HF tokenizer directory
+
+
+@dataclass
+class CheckpointConfig:
+    """Where checkpoints go, how often, how many are kept, and what to resume from."""
+
+    dir: Optional[str] = None
+    interval: int = 0  # 0: only at the end
+    load: Optional[str] = None  # a checkpoint directory, or "auto" for the latest in `dir`
+    keep: int = 2  # newest checkpoints kept; 0 keeps all
+    save_at_end: bool = True
+
+
+@dataclass
+class LogConfig:
+    """Where and how often metrics are written."""
+
+    dir: str = "runs/default"
+    interval: int = 1
+    tensorboard: bool = True
+    timers: bool = False
+    peak_tflops: Optional[float] = None  # per device; None: looked up from the device name when known
+
+
+@dataclass
+class Config:
+    """The whole run. Sections mirror the YAML file's top-level keys."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)

@@ -1,0 +1,115 @@
+"""This rank's process groups, built from a ``Topology``.
+
+``ParallelState`` is a value you can pass around; ``initialize``/``get``/``destroy`` keep a
+process-wide current one for convenience (and for the Megatron-style ``mpu`` module). Tests
+create and destroy it freely to change layouts inside one process group.
+"""
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .topology import Topology
+
+
+class ParallelState:
+    """Topology + the groups this rank belongs to + its coordinates and device."""
+
+    def __init__(self, topology: Topology, device: torch.device | None = None, timeout_s: float | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call parallel.launch.init_distributed() first")
+        if dist.get_world_size() != topology.world_size:
+            raise ValueError(f"parallel: the topology is for {topology.world_size} ranks but {dist.get_world_size()} "
+                             f"were launched. Fix: launch {topology.world_size} ranks or change tp/pp/dp.")
+        self.topology = topology
+        self.rank = dist.get_rank()
+        self.device = device if device is not None else torch.device("cpu")
+        timeout = timedelta(seconds=timeout_s) if timeout_s else None
+        self._created = []
+        self.tp_group, self.tp_ranks = self._make(topology.tp_groups(), timeout)
+        self.pp_group, self.pp_ranks = self._make(topology.pp_groups(), timeout)
+        self.dp_group, self.dp_ranks = self._make(topology.dp_groups(), timeout)
+        self.mp_group, self.mp_ranks = self._make(topology.model_parallel_groups(), timeout)
+        self.embedding_group, self.embedding_ranks = self._make(topology.embedding_groups(), timeout)
+        coordinate = topology.coordinate(self.rank)
+        self.tp_rank, self.pp_rank, self.dp_rank = coordinate.tp, coordinate.pp, coordinate.dp
+        self.tp_size, self.pp_size, self.dp_size = topology.tp, topology.pp, topology.dp
+        self.virtual_pp = topology.virtual_pp
+
+    def _make(self, groups: list[list[int]], timeout):
+        """Every rank must create every group, in the same order; keep the one we are in."""
+        mine, my_ranks = None, None
+        for members in groups:
+            group = dist.new_group(members, timeout=timeout)
+            self._created.append(group)
+            if self.rank in members:
+                mine, my_ranks = group, members
+        return mine, my_ranks
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def next_pp_rank(self) -> int:
+        return self.topology.next_pp_rank(self.rank)
+
+    @property
+    def prev_pp_rank(self) -> int:
+        return self.topology.prev_pp_rank(self.rank)
+
+    def coordinates(self) -> str:
+        """'rank 5 (tp 1, pp 1, dp 0)': the prefix used in logs and error reports."""
+        return f"rank {self.rank} (tp {self.tp_rank}, pp {self.pp_rank}, dp {self.dp_rank})"
+
+    def rank_map(self) -> str:
+        """Gather host names and render the topology's table (collective: call on every rank)."""
+        hosts = [None] * self.topology.world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+        return self.topology.rank_map(hosts)
+
+    def destroy(self) -> None:
+        for group in self._created:
+            dist.destroy_process_group(group)
+        self._created = []
+
+
+_current: ParallelState | None = None
+
+
+def initialize(topology: Topology, device: torch.device | None = None, timeout_s: float | None = None,
+               print_rank_map: bool = True) -> ParallelState:
+    """Create this rank's groups and make them the current ones."""
+    global _current
+    if _current is not None:
+        destroy()
+    _current = ParallelState(topology, device, timeout_s)
+    if print_rank_map:
+        table = _current.rank_map()
+        if _current.rank == 0:
+            print(table, flush=True)
+    return _current
+
+
+def get() -> ParallelState:
+    if _current is None:
+        raise RuntimeError("parallel state is not initialised: call megatron_domino.parallel.initialize(topology)")
+    return _current
+
+
+def is_initialized() -> bool:
+    return _current is not None
+
+
+def destroy() -> None:
+    global _current
+    if _current is not None:
+        _current.destroy()
+        _current = None

@@ -1,0 +1,22 @@
+"""Install megatron_domino from plain PyPI: no apex, no Transformer Engine required."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_domino",
+    version="0.1.0",
+    description="GPT/Llama pretraining with Domino tensor parallelism, 1F1B pipelines and ZeRO data parallelism",
+    packages=find_packages(include=["megatron_domino", "megatron_domino.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "pyyaml",
+        "regex",
+        "sentencepiece",
+        "tensorboard",
+        "numpy",
+        "safetensors",
+    ],
+    extras_require={
+        "test": ["pytest", "transformers", "tokenizers"],
+    },
+)

@@ -1,0 +1,106 @@
+"""Topology arithmetic against hand-written expectations, and real groups on 8 gloo ranks."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_domino import mpu
+from megatron_domino.parallel import Topology, state
+from tests.harness import run_ranks
+
+# (tp, pp, dp, order) -> expected groups, written out by hand from "innermost axis first".
+EXPECTED = {
+    (2, 2, 2, "tp-dp-pp"): dict(
+        tp=[[0, 1], [2, 3], [4, 5], [6, 7]], dp=[[0, 2], [1, 3], [4, 6], [5, 7]],
+        pp=[[0, 4], [1, 5], [2, 6], [3, 7]], mp=[[0, 1, 4, 5], [2, 3, 6, 7]],
+        emb=[[0, 4], [1, 5], [2, 6], [3, 7]]),
+    (4, 1, 2, "tp-dp-pp"): dict(
+        tp=[[0, 1, 2, 3], [4, 5, 6, 7]], dp=[[0, 4], [1, 5], [2, 6], [3, 7]],
+        pp=[[r] for r in range(8)], mp=[[0, 1, 2, 3], [4, 5, 6, 7]], emb=[[r] for r in range(8)]),
+    (1, 4, 2, "tp-dp-pp"): dict(
+        tp=[[r] for r in range(8)], dp=[[0, 1], [2, 3], [4, 5], [6, 7]],
+        pp=[[0, 2, 4, 6], [1, 3, 5, 7]], mp=[[0, 2, 4, 6], [1, 3, 5, 7]], emb=[[0, 6], [1, 7]]),
+    (2, 1, 1, "tp-dp-pp"): dict(
+        tp=[[0, 1]], dp=[[0], [1]], pp=[[0], [1]], mp=[[0, 1]], emb=[[0], [1]]),
+    (2, 2, 2, "tp-pp-dp"): dict(
+        tp=[[0, 1], [2, 3], [4, 5], [6, 7]], dp=[[0, 4], [1, 5], [2, 6], [3, 7]],
+        pp=[[0, 2], [1, 3], [4, 6], [5, 7]], mp=[[0, 1, 2, 3], [4, 5, 6, 7]],
+        emb=[[0, 2], [1, 3], [4, 6], [5, 7]]),
+}
+
+
+@pytest.mark.parametrize("layout", list(EXPECTED), ids=lambda l: "tp{}-pp{}-dp{}-{}".format(*l))
+def test_groups_match_hand_written_layout(layout):
+    tp, pp, dp, order = layout
+    topo = Topology(tp * pp * dp, tp=tp, pp=pp, dp=dp, order=order)
+    want = EXPECTED[layout]
+    assert topo.tp_groups() == want["tp"]
+    assert topo.dp_groups() == want["dp"]
+    assert sorted(topo.pp_groups()) == want["pp"]
+    assert topo.model_parallel_groups() == want["mp"]
+    assert sorted(topo.embedding_groups()) == want["emb"]
+    for rank in range(topo.world_size):
+        c = topo.coordinate(rank)
+        assert topo.rank_of(tp=c.tp, pp=c.pp, dp=c.dp) == rank
+        pipeline = next(g for g in topo.pp_groups() if rank in g)
+        assert pipeline[c.pp] == rank
+        assert topo.is_first_stage(rank) == (c.pp == 0)
+        assert topo.is_last_stage(rank) == (c.pp == pp - 1)
+        assert topo.next_pp_rank(rank) == pipeline[(c.pp + 1) % pp]
+        assert topo.prev_pp_rank(rank) == pipeline[(c.pp - 1) % pp]
+
+
+def test_dp_inferred_and_rank_map():
+    topo = Topology(16, tp=2, pp=4)
+    assert topo.dp == 2
+    table = topo.rank_map()
+    assert "world 16 = tp 2 x pp 4 x dp 2" in table and len(table.splitlines()) == 18
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    (dict(world_size=8, tp=3), "parallel.tp * parallel.pp"),
+    (dict(world_size=8, tp=2, pp=2, dp=3), "parallel.dp"),
+    (dict(world_size=8, tp=0), "parallel.tp"),
+    (dict(world_size=8, order="tp-pp"), "parallel.order"),
+])
+def test_bad_layouts_are_refused(kwargs, key):
+    with pytest.raises(ValueError, match=key.replace("*", r"\*").replace(".", r"\.")):
+        Topology(**kwargs)
+
+
+def _check_real_groups(rank, world_size):
+    """One spawn, many checks: every group's all-reduce sums exactly its members, per layout."""
+    for (tp, pp, dp, order), want in EXPECTED.items():
+        if tp * pp * dp != world_size:
+            continue
+        ps = state.initialize(Topology(world_size, tp=tp, pp=pp, dp=dp, order=order), print_rank_map=False)
+        for name, group in (("tp", ps.tp_group), ("dp", ps.dp_group), ("pp", ps.pp_group),
+                            ("mp", ps.mp_group), ("emb", ps.embedding_group)):
+            members = next((g for g in want[name] if rank in g), None)
+            if members is None:  # middle pipeline stages hold no embedding
+                assert name == "emb" and group is None
+                continue
+            value = torch.tensor([float(rank)])
+            dist.all_reduce(value, group=group)
+            assert value.item() == sum(members), ((tp, pp, dp, order), name, value, members)
+        assert mpu.get_tensor_model_parallel_world_size() == tp
+        assert mpu.get_tensor_model_parallel_rank() == ps.topology.coordinate(rank).tp
+        assert mpu.get_pipeline_model_parallel_world_size() == pp
+        assert mpu.get_data_parallel_world_size() == dp
+        assert mpu.get_data_parallel_rank() == ps.topology.coordinate(rank).dp
+        assert mpu.is_pipeline_first_stage() == (ps.pp_rank == 0)
+        assert mpu.is_pipeline_last_stage() == (ps.pp_rank == pp - 1)
+        assert mpu.get_model_parallel_world_size() == tp * pp
+        assert mpu.get_pipeline_model_parallel_first_rank() == ps.pp_ranks[0]
+        assert mpu.get_pipeline_model_parallel_next_rank() == ps.topology.next_pp_rank(rank)
+        state.destroy()
+    assert not mpu.model_parallel_is_initialized()
+    mpu.initialize_model_parallel(2, 2)
+    table = state.get().rank_map()
+    assert mpu.get_data_parallel_world_size() == 2
+    mpu.destroy_model_parallel()
+    return table
+
+
+def test_eight_real_ranks_collective_on_every_group():
+    tables = run_ranks(_check_real_groups, 8, timeout=120)
+    assert "world 8 = tp 2 x pp 2 x dp 2" in tables[0]
