@@ -1,4 +1,6 @@
 """Run configuration: schema, YAML loading with includes and overrides, validation."""
+from .errors import ConfigError, Problem
+from .loader import config_from_dict, config_to_dict, load_config, save_config
 from .schema import (
     CheckpointConfig,
     Config,
@@ -10,3 +12,4 @@ from .schema import (
     TokenizerConfig,
     TrainConfig,
 )
+from .validate import data_prefixes, validate_config

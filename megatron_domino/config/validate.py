@@ -1,0 +1,356 @@
+"""Every cross-field rule of a run, checked on one CPU process before any process group starts.
+
+A bad layout found after 512 ranks have started costs minutes and prints 512 tracebacks; found here
+it costs nothing and names the key. All problems are collected and raised together (one line each,
+"<key> = <value>: <rule>. Fix: <fix>"); settings that work but surprise are returned as warnings.
+Nothing here touches torch.distributed.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Any
+
+from .errors import ConfigError, Problem
+from .loader import config_from_dict, config_to_dict
+from .schema import Config
+
+POSITION_EMBEDDINGS = ("learned", "rope")
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+RECOMPUTE = ("none", "full", "selective")
+OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
+TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+BACKENDS = ("auto", "nccl", "gloo")
+PIPELINE_PARTITIONS = ("uniform", "parameters")
+DOMINO_SPLITS = ("row", "column", "2d")
+DOMINO_OVERLAPS = ("intra", "inter")
+ZERO_STAGES = (0, 1, 2)
+AXES = ("tp", "dp", "pp")
+# Files a tokenizer type cannot work without.
+TOKENIZER_FILES = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "SentencePieceTokenizer": ("model",),
+                   "HuggingFaceTokenizer": ("model",), "NullTokenizer": ()}
+
+ROW_SPLIT_WARNING = ("parallel.domino_split=row needs train.micro_batch_size >= 2; "
+                     "micro batch 1 runs the column split instead")
+
+
+def _is_number(text: Any) -> bool:
+    try:
+        float(text)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def data_prefixes(path: list) -> list[tuple[float, str]]:
+    """``data.path`` as (weight, prefix) pairs: ``["A", "B"]`` weighs each 1.0, ``["0.3", "A", "0.7", "B"]`` as written.
+
+    The weighted form is recognised by a number in first place. Raises ``ConfigError`` on a malformed list.
+    """
+    if not path:
+        raise ConfigError("data.path", path, "is empty",
+                          "give at least one prefix, e.g. data.path=[data/my_text_document]")
+    if len(path) == 1 or not _is_number(path[0]):
+        return [(1.0, str(prefix)) for prefix in path]
+    if len(path) % 2:
+        raise ConfigError("data.path", path, "a weighted list must alternate weight, prefix",
+                          "write data.path=[0.3,PREFIX_A,0.7,PREFIX_B]")
+    pairs = []
+    for i in range(0, len(path), 2):
+        weight = float(path[i]) if _is_number(path[i]) else None
+        if weight is None or not weight > 0 or weight == float("inf"):
+            raise ConfigError(f"data.path[{i}]", path[i], "must be a positive number (the weight of the next prefix)",
+                              "write a weight > 0 before each prefix")
+        pairs.append((weight, str(path[i + 1])))
+    return pairs
+
+
+class _Checks:
+    """Collects problems and warnings; small helpers keep each rule to one line."""
+
+    def __init__(self) -> None:
+        self.problems: list[Problem] = []
+        self.warnings: list[str] = []
+
+    def fail(self, key: str, value: Any, rule: str, fix: str) -> None:
+        self.problems.append(Problem(key, value, rule, fix))
+
+    def positive(self, key: str, value: Any, optional: bool = False) -> bool:
+        """value >= 1 (or > 0 for floats). Returns whether it holds, so dependent rules can be skipped."""
+        if value is None and optional:
+            return True
+        if value is None or not value > 0:
+            self.fail(key, value, "must be positive", f"set {key} to a value above 0")
+            return False
+        return True
+
+    def at_least(self, key: str, value: Any, low: float) -> None:
+        if not value >= low:
+            self.fail(key, value, f"must be >= {low}", f"set {key} to {low} or more")
+
+    def in_range(self, key: str, value: Any, low: float, high: float, high_open: bool = True) -> None:
+        ok = low <= value < high if high_open else low <= value <= high
+        if not ok:
+            interval = f"[{low}, {high})" if high_open else f"[{low}, {high}]"
+            self.fail(key, value, f"must lie in {interval}", f"choose a value in {interval}")
+
+    def one_of(self, key: str, value: Any, choices: tuple) -> None:
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            fix = f"did you mean '{close[0]}'?" if close else "pick one of the listed values"
+            self.fail(key, value, f"must be one of {', '.join(map(str, choices))}", fix)
+
+    def divides(self, key: str, value: int, divisor: int, divisor_name: str, fix: str) -> None:
+        if value % divisor:
+            self.fail(key, value, f"must be divisible by {divisor_name} = {divisor}", fix)
+
+
+def _check_model(c: _Checks, cfg: Config) -> None:
+    m = cfg.model
+    sizes_ok = all([c.positive("model.num_layers", m.num_layers), c.positive("model.hidden_size", m.hidden_size),
+                    c.positive("model.num_attention_heads", m.num_attention_heads),
+                    c.positive("model.ffn_hidden_size", m.ffn_hidden_size, optional=True),
+                    c.positive("model.num_query_groups", m.num_query_groups, optional=True),
+                    c.positive("model.kv_channels", m.kv_channels, optional=True)])
+    c.positive("model.seq_length", m.seq_length)
+    c.positive("model.max_position_embeddings", m.max_position_embeddings, optional=True)
+    c.positive("model.vocab_size", m.vocab_size)
+    c.positive("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by)
+    c.one_of("model.position_embedding", m.position_embedding, POSITION_EMBEDDINGS)
+    c.one_of("model.norm", m.norm, NORMS)
+    c.one_of("model.activation", m.activation, ACTIVATIONS)
+    c.one_of("model.recompute", m.recompute, RECOMPUTE)
+    c.positive("model.norm_eps", m.norm_eps)
+    c.positive("model.init_std", m.init_std)
+    c.in_range("model.attention_dropout", m.attention_dropout, 0.0, 1.0)
+    c.in_range("model.hidden_dropout", m.hidden_dropout, 0.0, 1.0)
+    if m.position_embedding == "rope":
+        c.positive("model.rope_base", m.rope_base)
+        if m.rope_scaling_factor is not None:
+            c.at_least("model.rope_scaling_factor", m.rope_scaling_factor, 1.0)
+            c.positive("model.rope_low_freq_factor", m.rope_low_freq_factor)
+            c.positive("model.rope_original_max_position", m.rope_original_max_position)
+            if not m.rope_high_freq_factor > m.rope_low_freq_factor:
+                c.fail("model.rope_high_freq_factor", m.rope_high_freq_factor,
+                       f"must exceed model.rope_low_freq_factor = {m.rope_low_freq_factor}",
+                       "use Llama-3.1's values: low 1, high 4")
+    if m.position_embedding == "learned" and m.seq_length > m.max_positions:
+        c.fail("model.seq_length", m.seq_length,
+               f"exceeds model.max_position_embeddings = {m.max_positions} (learned position table)",
+               "raise model.max_position_embeddings or lower model.seq_length")
+    if not sizes_ok:
+        return
+    if m.num_attention_heads % m.query_groups:
+        c.fail("model.num_query_groups", m.query_groups,
+               f"must divide model.num_attention_heads = {m.num_attention_heads}",
+               "choose a number of KV groups that divides the number of heads")
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+        c.fail("model.hidden_size", m.hidden_size, f"must be divisible by model.num_attention_heads = "
+               f"{m.num_attention_heads} when model.kv_channels is unset",
+               "change hidden_size or num_attention_heads, or set model.kv_channels")
+
+
+def _check_layout(c: _Checks, cfg: Config) -> None:
+    """Stages and interleaving: how layers land on pipeline ranks."""
+    p, layers = cfg.parallel, cfg.model.num_layers
+    chunks = p.pp * p.virtual_pp
+    if p.virtual_pp > 1 and p.pp == 1:
+        c.fail("parallel.virtual_pp", p.virtual_pp, "needs parallel.pp > 1 (interleaving splits pipeline stages)",
+               "set parallel.virtual_pp=1 or parallel.pp >= 2")
+    if p.pipeline_layout is not None:
+        layout = p.pipeline_layout
+        if len(layout) != chunks:
+            c.fail("parallel.pipeline_layout", layout, f"must have pp * virtual_pp = {chunks} entries",
+                   f"give one layer count per model chunk ({chunks} numbers)")
+        elif any(n < 1 for n in layout):
+            c.fail("parallel.pipeline_layout", layout, "every stage needs at least one layer",
+                   "move layers so each entry is >= 1")
+        elif sum(layout) != layers:
+            c.fail("parallel.pipeline_layout", layout, f"sums to {sum(layout)}, not model.num_layers = {layers}",
+                   "make the entries add up to model.num_layers")
+    elif p.pipeline_partition == "uniform":
+        c.divides("model.num_layers", layers, chunks, "pp * virtual_pp",
+                  "change model.num_layers or parallel.pp, or use parallel.pipeline_partition=parameters "
+                  "or an explicit parallel.pipeline_layout")
+    elif layers < chunks:
+        c.fail("model.num_layers", layers, f"is fewer than the pp * virtual_pp = {chunks} model chunks",
+               "lower parallel.pp or parallel.virtual_pp")
+
+
+def _check_parallel(c: _Checks, cfg: Config, world_size: int | None) -> int | None:
+    """Returns the data-parallel size when it is known (set, or inferable from world_size)."""
+    p, m = cfg.parallel, cfg.model
+    ok = all([c.positive("parallel.tp", p.tp), c.positive("parallel.pp", p.pp),
+              c.positive("parallel.dp", p.dp, optional=True), c.positive("parallel.virtual_pp", p.virtual_pp)])
+    c.positive("parallel.timeout_s", p.timeout_s)
+    c.positive("parallel.domino_chunks", p.domino_chunks)
+    c.one_of("parallel.domino_split", p.domino_split, DOMINO_SPLITS)
+    c.one_of("parallel.domino_overlap", p.domino_overlap, DOMINO_OVERLAPS)
+    c.one_of("parallel.backend", p.backend, BACKENDS)
+    c.one_of("parallel.pipeline_partition", p.pipeline_partition, PIPELINE_PARTITIONS)
+    if sorted(p.order.split("-")) != sorted(AXES):
+        c.fail("parallel.order", p.order, "must be a permutation of tp, dp, pp joined by '-'",
+               "use 'tp-dp-pp' (TP innermost)")
+    if p.domino and p.domino_split == "row" and cfg.train.micro_batch_size < 2:
+        c.warnings.append(ROW_SPLIT_WARNING)
+    if p.sequence_parallel and p.tp == 1:
+        c.warnings.append("parallel.sequence_parallel=true has no effect with parallel.tp=1")
+    if not ok:
+        return None
+    dp = p.dp
+    if world_size is not None:
+        if dp is None and world_size % (p.tp * p.pp):
+            c.fail("parallel.dp", None, f"null infers world_size / (tp * pp), but world size {world_size} is not "
+                   f"divisible by tp * pp = {p.tp * p.pp}",
+                   f"launch a multiple of {p.tp * p.pp} processes or change tp/pp")
+        elif dp is None:
+            dp = world_size // (p.tp * p.pp)
+        elif p.tp * p.pp * dp != world_size:
+            fix = (f"set parallel.dp={world_size // (p.tp * p.pp)} or null" if world_size % (p.tp * p.pp) == 0
+                   else f"launch {p.tp * p.pp * dp} processes")
+            c.fail("parallel.dp", dp, f"tp * pp * dp = {p.tp * p.pp * dp} must equal the world size {world_size}", fix)
+    if m.num_layers >= 1:
+        _check_layout(c, cfg)
+    split_by_tp = (("model.num_attention_heads", m.num_attention_heads),
+                   ("model.num_query_groups", m.num_query_groups or 0),  # unset: checked as the heads
+                   ("model.ffn_hidden_size", m.ffn_size), ("model.hidden_size", m.hidden_size))
+    for key, value in split_by_tp:
+        if value >= 1:
+            fits = [str(t) for t in (1, 2, 4, 8, 16, 32, 64) if value % t == 0]
+            c.divides(key, value, p.tp, "parallel.tp",
+                      f"use a parallel.tp that divides {value} (e.g. {', '.join(fits)})")
+    if p.sequence_parallel and m.seq_length >= 1:
+        c.divides("model.seq_length", m.seq_length, p.tp, "parallel.tp (sequence parallel shards the sequence)",
+                  "make the sequence length a multiple of tp or turn parallel.sequence_parallel off")
+    return dp
+
+
+def _check_train(c: _Checks, cfg: Config, dp: int | None) -> None:
+    t, p = cfg.train, cfg.parallel
+    c.positive("train.steps", t.steps)
+    c.positive("train.tokens", t.tokens, optional=True)
+    batch_ok = all([c.positive("train.micro_batch_size", t.micro_batch_size),
+                    c.positive("train.global_batch_size", t.global_batch_size)])
+    c.at_least("train.seed", t.seed, 0)
+    c.at_least("train.eval_interval", t.eval_interval, 0)
+    if t.eval_interval > 0:
+        c.positive("train.eval_iters", t.eval_iters)
+    if t.fp16 and t.bf16:
+        c.fail("train.fp16", t.fp16, "and train.bf16 are both true",
+               "keep one: train.bf16=true (preferred) or train.fp16=true")
+    if not batch_ok:
+        return
+    per_step = t.micro_batch_size * (dp or 1)
+    if t.global_batch_size % per_step:
+        c.fail("train.global_batch_size", t.global_batch_size,
+               f"must be a multiple of micro_batch_size * dp = {t.micro_batch_size} * {dp or 1} = {per_step}",
+               f"use a multiple of {per_step}, e.g. {per_step * max(1, t.global_batch_size // per_step)}")
+    elif dp is not None and p.virtual_pp > 1 and p.pp > 1 and (t.global_batch_size // per_step) % p.pp:
+        c.fail("parallel.virtual_pp", p.virtual_pp, f"the interleaved schedule needs the micro-batches per step "
+               f"(global / (micro * dp) = {t.global_batch_size // per_step}) to be a multiple of pp = {p.pp}",
+               f"make train.global_batch_size a multiple of {per_step * p.pp} or set parallel.virtual_pp=1")
+
+
+def _check_optimizer(c: _Checks, cfg: Config) -> None:
+    o = cfg.optimizer
+    c.one_of("optimizer.name", o.name, OPTIMIZERS)
+    c.one_of("optimizer.lr_schedule", o.lr_schedule, LR_SCHEDULES)
+    c.one_of("optimizer.zero_stage", o.zero_stage, ZERO_STAGES)
+    c.positive("optimizer.lr", o.lr)
+    c.at_least("optimizer.min_lr", o.min_lr, 0.0)
+    if o.min_lr > o.lr > 0:
+        c.fail("optimizer.min_lr", o.min_lr, f"exceeds optimizer.lr = {o.lr}", "set min_lr <= lr (e.g. lr / 10)")
+    c.at_least("optimizer.weight_decay", o.weight_decay, 0.0)
+    c.in_range("optimizer.beta1", o.beta1, 0.0, 1.0)
+    c.in_range("optimizer.beta2", o.beta2, 0.0, 1.0)
+    c.in_range("optimizer.momentum", o.momentum, 0.0, 1.0)
+    c.positive("optimizer.eps", o.eps)
+    c.at_least("optimizer.clip_grad", o.clip_grad, 0.0)
+    c.positive("optimizer.bucket_size_mb", o.bucket_size_mb)
+    c.at_least("optimizer.warmup_steps", o.warmup_steps, 0)
+    if o.decay_steps is not None:
+        c.at_least("optimizer.decay_steps", o.decay_steps, 0)
+    elif o.warmup_steps > cfg.train.steps:
+        c.fail("optimizer.warmup_steps", o.warmup_steps, f"exceeds train.steps = {cfg.train.steps}, leaving no decay "
+               "horizon (optimizer.decay_steps is unset)", "lower warmup_steps, raise train.steps or set decay_steps")
+    c.in_range("optimizer.wsd_decay_fraction", o.wsd_decay_fraction, 0.0, 1.0, high_open=False)
+    c.positive("optimizer.initial_loss_scale", o.initial_loss_scale)
+    c.positive("optimizer.loss_scale_window", o.loss_scale_window)
+    c.positive("optimizer.hysteresis", o.hysteresis)
+    if not 0 < o.loss_scale_backoff < 1:
+        c.fail("optimizer.loss_scale_backoff", o.loss_scale_backoff, "must lie in (0, 1)", "use 0.5")
+    if c.positive("optimizer.min_loss_scale", o.min_loss_scale) and o.min_loss_scale > o.initial_loss_scale:
+        c.fail("optimizer.min_loss_scale", o.min_loss_scale, f"exceeds optimizer.initial_loss_scale = "
+               f"{o.initial_loss_scale}", "lower min_loss_scale (1.0 is usual)")
+
+
+def _check_data(c: _Checks, cfg: Config, check_paths: bool) -> None:
+    d = cfg.data
+    if d.path is None and not d.mock:
+        c.fail("data.path", None, "no data: data.path is unset and data.mock is false",
+               "set data.path=[PREFIX] (PREFIX.bin/.idx from tools/preprocess_data.py) or data.mock=true")
+    parts = d.split.replace("/", ",").split(",")
+    if len(parts) > 3 or not all(_is_number(x) and float(x) >= 0 for x in parts) or sum(map(float, parts)) <= 0:
+        c.fail("data.split", d.split, "must be up to three non-negative train,valid,test weights with a positive sum",
+               "write e.g. data.split='949,50,1'")
+    if d.path is None:
+        return
+    try:
+        prefixes = data_prefixes(d.path)
+    except ConfigError as err:
+        c.problems.extend(err.problems)
+        return
+    if check_paths and not d.mock:
+        for _, prefix in prefixes:
+            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            if missing:
+                c.fail("data.path", prefix, f"{' and '.join(prefix + e for e in missing)} not found",
+                       "run tools/preprocess_data.py to make it, or correct the prefix (no .bin/.idx suffix)")
+
+
+def _check_files(c: _Checks, cfg: Config, check_paths: bool) -> None:
+    tok, ck, log = cfg.tokenizer, cfg.checkpoint, cfg.log
+    c.one_of("tokenizer.type", tok.type, TOKENIZERS)
+    for name in TOKENIZER_FILES.get(tok.type, ()):
+        if getattr(tok, name) is None:
+            c.fail(f"tokenizer.{name}", None, f"is required by tokenizer.type={tok.type}", f"set tokenizer.{name}=PATH")
+    for name in ("vocab_file", "merge_file", "model"):
+        path = getattr(tok, name)
+        if check_paths and path is not None and not os.path.exists(path):
+            c.fail(f"tokenizer.{name}", path, "not found", "correct the path (relative to the working directory)")
+    if ck.load == "auto" and ck.dir is None:
+        c.fail("checkpoint.load", ck.load, "'auto' resumes from the latest checkpoint in checkpoint.dir, "
+               "which is unset",
+               "set checkpoint.dir=PATH")
+    elif check_paths and ck.load not in (None, "auto") and not os.path.isdir(ck.load):
+        c.fail("checkpoint.load", ck.load, "not found", "give an existing checkpoint directory, 'auto', or null")
+    c.at_least("checkpoint.interval", ck.interval, 0)
+    c.at_least("checkpoint.keep", ck.keep, 0)
+    if ck.interval > 0 and ck.dir is None:
+        c.fail("checkpoint.interval", ck.interval, "saving every N steps needs checkpoint.dir",
+               "set checkpoint.dir=PATH")
+    c.positive("log.interval", log.interval)
+    c.positive("log.peak_tflops", log.peak_tflops, optional=True)
+    if not log.dir:
+        c.fail("log.dir", log.dir, "must name a directory", "set log.dir=runs/NAME")
+
+
+def validate_config(cfg: Config, world_size: int | None = None, check_paths: bool = True) -> list[str]:
+    """Check every rule; raise one ``ConfigError`` listing all problems, or return the warnings.
+
+    ``world_size`` (when known) checks tp * pp * dp against it; ``check_paths`` checks that the data,
+    tokenizer and checkpoint files exist. Configs built in code get the loader's type checks too.
+    """
+    cfg = config_from_dict(config_to_dict(cfg))
+    c = _Checks()
+    _check_model(c, cfg)
+    dp = _check_parallel(c, cfg, world_size)
+    _check_train(c, cfg, dp)
+    _check_optimizer(c, cfg)
+    _check_data(c, cfg, check_paths)
+    _check_files(c, cfg, check_paths)
+    if c.problems:
+        raise ConfigError.of(c.problems)
+    return c.warnings

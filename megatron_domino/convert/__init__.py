@@ -1,0 +1,1 @@
+"""Conversion between Hugging Face checkpoints and native full-size state dicts."""

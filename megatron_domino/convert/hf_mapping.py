@@ -1,0 +1,128 @@
+"""Tensor-by-tensor mapping between HF GPT-2 / Llama names and native global names.
+
+Native full-size tensors use the grouped QKV layout (per KV group: its query heads, its key
+head, its value head), so a TP slice is a run of whole groups. Every function here works on
+one layer at a time, so conversions can stream tensor by tensor.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _grouped_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """Separate q [heads*d, ...], k, v [groups*d, ...] -> grouped [(heads + 2 groups) * d, ...]."""
+    rest = q.shape[1:]
+    q = q.reshape(groups, -1, *rest)
+    k, v = k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def _split_grouped_qkv(qkv: torch.Tensor, heads: int, groups: int, head_dim: int):
+    rest = qkv.shape[1:]
+    per_group = qkv.reshape(groups, (heads // groups + 2) * head_dim, *rest)
+    q_rows = heads // groups * head_dim
+    q = per_group[:, :q_rows].reshape(heads * head_dim, *rest)
+    k = per_group[:, q_rows:q_rows + head_dim].reshape(groups * head_dim, *rest)
+    v = per_group[:, q_rows + head_dim:].reshape(groups * head_dim, *rest)
+    return q, k, v
+
+
+def gpt2_layer_to_native(hf: dict, i: int, cfg) -> dict:
+    """One GPT-2 block (Conv1D weights are [in, out]) -> native names."""
+    p, n = f"transformer.h.{i}.", f"layers.{i}."
+    heads = cfg.num_attention_heads
+    c_attn_w, c_attn_b = hf[p + "attn.c_attn.weight"].t(), hf[p + "attn.c_attn.bias"]
+    q, k, v = c_attn_w.chunk(3, dim=0)
+    qb, kb, vb = c_attn_b.chunk(3, dim=0)
+    return {
+        n + "input_norm.weight": hf[p + "ln_1.weight"], n + "input_norm.bias": hf[p + "ln_1.bias"],
+        n + "attention.qkv.weight": _grouped_qkv(q, k, v, heads),
+        n + "attention.qkv.bias": _grouped_qkv(qb, kb, vb, heads),
+        n + "attention.proj.weight": hf[p + "attn.c_proj.weight"].t(),
+        n + "attention.proj.bias": hf[p + "attn.c_proj.bias"],
+        n + "post_attention_norm.weight": hf[p + "ln_2.weight"], n + "post_attention_norm.bias": hf[p + "ln_2.bias"],
+        n + "mlp.fc1.weight": hf[p + "mlp.c_fc.weight"].t(), n + "mlp.fc1.bias": hf[p + "mlp.c_fc.bias"],
+        n + "mlp.fc2.weight": hf[p + "mlp.c_proj.weight"].t(), n + "mlp.fc2.bias": hf[p + "mlp.c_proj.bias"],
+    }
+
+
+def native_layer_to_gpt2(native: dict, i: int, cfg) -> dict:
+    p, n = f"transformer.h.{i}.", f"layers.{i}."
+    heads, d = cfg.num_attention_heads, cfg.head_dim
+    q, k, v = _split_grouped_qkv(native[n + "attention.qkv.weight"], heads, heads, d)
+    qb, kb, vb = _split_grouped_qkv(native[n + "attention.qkv.bias"], heads, heads, d)
+    return {
+        p + "ln_1.weight": native[n + "input_norm.weight"], p + "ln_1.bias": native[n + "input_norm.bias"],
+        p + "attn.c_attn.weight": torch.cat([q, k, v]).t().contiguous(), p + "attn.c_attn.bias": torch.cat([qb, kb, vb]),
+        p + "attn.c_proj.weight": native[n + "attention.proj.weight"].t().contiguous(),
+        p + "attn.c_proj.bias": native[n + "attention.proj.bias"],
+        p + "ln_2.weight": native[n + "post_attention_norm.weight"],
+        p + "ln_2.bias": native[n + "post_attention_norm.bias"],
+        p + "mlp.c_fc.weight": native[n + "mlp.fc1.weight"].t().contiguous(), p + "mlp.c_fc.bias": native[n + "mlp.fc1.bias"],
+        p + "mlp.c_proj.weight": native[n + "mlp.fc2.weight"].t().contiguous(),
+        p + "mlp.c_proj.bias": native[n + "mlp.fc2.bias"],
+    }
+
+
+def llama_layer_to_native(hf: dict, i: int, cfg) -> dict:
+    p, n = f"model.layers.{i}.", f"layers.{i}."
+    return {
+        n + "input_norm.weight": hf[p + "input_layernorm.weight"],
+        n + "attention.qkv.weight": _grouped_qkv(hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"],
+                                                 hf[p + "self_attn.v_proj.weight"], cfg.query_groups),
+        n + "attention.proj.weight": hf[p + "self_attn.o_proj.weight"],
+        n + "post_attention_norm.weight": hf[p + "post_attention_layernorm.weight"],
+        n + "mlp.fc1.weight": torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]),
+        n + "mlp.fc2.weight": hf[p + "mlp.down_proj.weight"],
+    }
+
+
+def native_layer_to_llama(native: dict, i: int, cfg) -> dict:
+    p, n = f"model.layers.{i}.", f"layers.{i}."
+    q, k, v = _split_grouped_qkv(native[n + "attention.qkv.weight"], cfg.num_attention_heads, cfg.query_groups,
+                                 cfg.head_dim)
+    gate, up = native[n + "mlp.fc1.weight"].chunk(2, dim=0)
+    return {
+        p + "input_layernorm.weight": native[n + "input_norm.weight"],
+        p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
+        p + "self_attn.o_proj.weight": native[n + "attention.proj.weight"],
+        p + "post_attention_layernorm.weight": native[n + "post_attention_norm.weight"],
+        p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+        p + "mlp.down_proj.weight": native[n + "mlp.fc2.weight"],
+    }
+
+
+# Non-layer tensors: native name -> HF name.
+GPT2_GLOBALS = {
+    "embedding.word_embeddings.weight": "transformer.wte.weight",
+    "embedding.position_embeddings.weight": "transformer.wpe.weight",
+    "final_norm.weight": "transformer.ln_f.weight",
+    "final_norm.bias": "transformer.ln_f.bias",
+}
+LLAMA_GLOBALS = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "final_norm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+LAYER_TO_NATIVE = {"gpt2": gpt2_layer_to_native, "llama": llama_layer_to_native}
+LAYER_TO_HF = {"gpt2": native_layer_to_gpt2, "llama": native_layer_to_llama}
+GLOBALS = {"gpt2": GPT2_GLOBALS, "llama": LLAMA_GLOBALS}
+
+
+def hf_to_native(hf: dict, cfg, model_type: str) -> dict:
+    """Whole HF state dict -> native full-size state dict (global names)."""
+    native = {ours: hf[theirs] for ours, theirs in GLOBALS[model_type].items() if theirs in hf}
+    if model_type == "llama" and cfg.tie_embeddings:
+        native.pop("output_layer.weight", None)
+    for i in range(cfg.num_layers):
+        native.update(LAYER_TO_NATIVE[model_type](hf, i, cfg))
+    return native
+
+
+def native_to_hf(native: dict, cfg, model_type: str) -> dict:
+    hf = {theirs: native[ours] for ours, theirs in GLOBALS[model_type].items() if ours in native}
+    if cfg.tie_embeddings:  # HF state dicts list the tied head under its own name
+        hf["lm_head.weight"] = native["embedding.word_embeddings.weight"]
+    for i in range(cfg.num_layers):
+        hf.update(LAYER_TO_HF[model_type](native, i, cfg))
+    return hf

@@ -1,0 +1,165 @@
+"""The asynchronous halves of Domino's communication, as named autograd steps.
+
+Forward: ``launch_reduce`` starts the all-reduce of a row-parallel output and returns at once;
+``PendingReduce.wait`` is the point where the next computation needs the sum.
+
+Backward: a column-parallel linear launches the all-reduce of its input gradient, computes
+its weight gradient while the reduction flies, and ``WaitForInputGradient`` (an identity in
+forward, placed directly on the linear's input) waits just before the gradient is consumed.
+Because that identity sits between the linear and everything else that reads the input, no
+other branch (a residual, say) can be summed into the gradient before the wait: the
+residual-branch hazard is impossible by construction.
+
+On CUDA, NCCL runs async collectives on its own stream and ``work.wait()`` makes the compute
+stream wait on an event, without blocking the host. On gloo the reduction runs on gloo's
+thread. The same code serves both.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..parallel import comm
+
+
+class PendingReduce:
+    """All-reduces in flight for one logical tensor, possibly in column pieces."""
+
+    def __init__(self, pieces: list[torch.Tensor], group):
+        self.group = group
+        self.pieces = pieces
+        self.handles = [None] * len(pieces)
+
+    def wait(self) -> torch.Tensor:
+        """The reduced tensor; pieces are concatenated along the last dim."""
+        waited = [_WaitReduce.apply(piece, self, i) for i, piece in enumerate(self.pieces)]
+        return waited[0] if len(waited) == 1 else torch.cat(waited, dim=-1)
+
+
+class _LaunchReduce(torch.autograd.Function):
+    """Start an in-place all-reduce; identity in backward (the output gradient is replicated)."""
+
+    @staticmethod
+    def forward(ctx, x, pending: PendingReduce, index: int):
+        if comm.group_size(pending.group) > 1 and not comm.communication_disabled():
+            pending.handles[index] = dist.all_reduce(x, group=pending.group, async_op=True)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _WaitReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pending: PendingReduce, index: int):
+        handle = pending.handles[index]
+        if handle is not None:
+            handle.wait()
+            pending.handles[index] = None
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def launch_reduce(partials, group, count: int = 1) -> PendingReduce:
+    """Launch the all-reduce of each partial as soon as it is computed, and return without waiting.
+
+    ``partials`` may be a generator: piece i + 1 is then computed while piece i is reduced.
+    """
+    pending = PendingReduce([None] * count, group)
+    for index, partial in enumerate(partials):
+        pending.pieces[index] = _LaunchReduce.apply(partial.contiguous(), pending, index)
+    return pending
+
+
+class PendingInputGradient:
+    """The input gradient of one column-parallel linear, reduced asynchronously in ``pieces`` column pieces."""
+
+    def __init__(self, group, pieces: int):
+        self.group, self.pieces = group, pieces
+        self.work: list[tuple[torch.Tensor, slice, object]] = []
+        self.grad: torch.Tensor | None = None
+
+    def launch(self, grad_output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """grad_input = grad_output @ weight, computed and reduced piece by piece along the input features."""
+        in_features = weight.shape[1]
+        communicate = comm.group_size(self.group) > 1 and not comm.communication_disabled()
+        if self.pieces <= 1:
+            self.grad = grad_output.matmul(weight)
+            if communicate:
+                self.work.append((self.grad, slice(None), dist.all_reduce(self.grad, group=self.group, async_op=True)))
+            return self.grad
+        self.grad = grad_output.new_empty(grad_output.shape[:-1] + (in_features,))
+        for columns in _column_slices(in_features, self.pieces):
+            piece = grad_output.matmul(weight[:, columns])
+            handle = dist.all_reduce(piece, group=self.group, async_op=True) if communicate else None
+            self.work.append((piece, columns, handle))
+        return self.grad
+
+    def finish(self, grad: torch.Tensor) -> torch.Tensor:
+        if grad.data_ptr() != self.grad.data_ptr():
+            raise RuntimeError("Domino: the input gradient of a column-parallel linear was modified before its "
+                               "all-reduce completed (a branch was summed in before the wait)")
+        for piece, columns, handle in self.work:
+            if handle is not None:
+                handle.wait()
+            if piece is not self.grad:
+                self.grad[..., columns] = piece
+        result, self.work, self.grad = self.grad, [], None
+        return result
+
+
+def _column_slices(size: int, pieces: int) -> list[slice]:
+    bounds = [size * i // pieces for i in range(pieces + 1)]
+    return [slice(bounds[i], bounds[i + 1]) for i in range(pieces)]
+
+
+class WaitForInputGradient(torch.autograd.Function):
+    """Identity forward; backward waits for the linear's input-gradient all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x, pending: PendingInputGradient):
+        ctx.pending = pending
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.pending.finish(grad), None
+
+
+class LinearWithAsyncInputGradient(torch.autograd.Function):
+    """y = x W^T + b whose backward launches the input-gradient all-reduce before the weight gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, pending: PendingInputGradient):
+        ctx.save_for_backward(x, weight)
+        ctx.pending, ctx.has_bias = pending, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        grad_input = ctx.pending.launch(grad_output, weight)
+        flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
+        grad_weight = flat_grad.t().matmul(x.reshape(-1, x.shape[-1]))
+        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
+        return grad_input, grad_weight, grad_bias, None
+
+
+def column_linear_async(x, weight, bias, group, pieces: int):
+    """A column-parallel linear whose backward overlaps the input-gradient all-reduce with weight-gradient work."""
+    pending = PendingInputGradient(group, pieces)
+    return LinearWithAsyncInputGradient.apply(WaitForInputGradient.apply(x, pending), weight, bias, pending)
+
+
+def row_linear_launch(x, weight, group, pieces: int) -> PendingReduce:
+    """A row-parallel linear whose output all-reduce is launched per column piece (pieces = 1: one launch)."""
+    if pieces <= 1:
+        return launch_reduce([F.linear(x, weight)], group)
+    partials = (F.linear(x, weight[rows]) for rows in _column_slices(weight.shape[0], pieces))
+    return launch_reduce(partials, group, count=pieces)

@@ -1,0 +1,65 @@
+"""Which Domino strategy a run uses, resolved once from the config.
+
+Row split: the micro batch is cut into ``chunks`` mu-batches whose all-reduces overlap each
+other's compute. Column split: a row-parallel weight is cut into ``chunks`` column pieces,
+each reduced while the next is computed (no narrowing of the batch). 2-D: both.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+SPLITS = ("row", "column", "2d")
+OVERLAPS = ("intra", "inter")
+
+
+@dataclass(frozen=True)
+class DominoPlan:
+    enabled: bool = False
+    chunks: int = 2
+    split: str = "row"  # row | column | 2d
+    overlap: str = "inter"  # intra | inter
+
+    @classmethod
+    def from_config(cls, parallel) -> "DominoPlan":
+        return cls(parallel.domino, parallel.domino_chunks, parallel.domino_split, parallel.domino_overlap)
+
+    def __post_init__(self):
+        if self.split not in SPLITS:
+            raise ValueError(f"parallel.domino_split = {self.split!r}: must be one of {SPLITS}. Fix: use 'row'.")
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"parallel.domino_overlap = {self.overlap!r}: must be one of {OVERLAPS}. "
+                             f"Fix: use 'inter'.")
+        if self.chunks < 1:
+            raise ValueError(f"parallel.domino_chunks = {self.chunks}: must be >= 1. Fix: use 2.")
+
+    @property
+    def grad_pieces(self) -> int:
+        """Column pieces of each column-parallel input-gradient all-reduce; 0 = synchronous Megatron path."""
+        if not self.enabled:
+            return 0
+        return self.chunks if self.split in ("column", "2d") else 1
+
+    def split_for(self, batch_size: int) -> tuple[int, int]:
+        """(batch chunks, column pieces) for a micro batch of ``batch_size`` samples.
+
+        A batch split needs at least 2 samples: with micro batch 1 the row split runs the column
+        split instead (one warning), so micro batch 1 still overlaps and never crashes.
+        """
+        if not self.enabled:
+            return 1, 1
+        rows = min(self.chunks, batch_size) if self.split in ("row", "2d") else 1
+        columns = self.chunks if self.split in ("column", "2d") else 1
+        if self.split == "row" and rows < 2:
+            _warn_once("Domino: micro batch 1 cannot be split by rows; using the column split for it")
+            columns = self.chunks
+        return rows, columns
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)

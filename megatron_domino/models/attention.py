@@ -1,0 +1,62 @@
+"""Causal self-attention with grouped-query heads split across TP, through torch's SDPA.
+
+The fused QKV weight is laid out group by group: for each KV group, its query heads, then its
+key head, then its value head. A TP rank's slice is then a contiguous run of whole groups,
+so GQA, MQA (one group: tp must be 1) and MHA (groups = heads) all shard the same way.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel.random import get_tracker
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from .recompute import recompute
+from .rope import apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, group, *, grad_pieces: int, sequence_parallel: bool, dtype, device):
+        super().__init__()
+        tp = torch.distributed.get_world_size(group) if group is not None else 1
+        heads, groups, head_dim = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
+        self.queries_per_group, self.local_groups, self.head_dim = heads // groups, groups // tp, head_dim
+        self.dropout_p, self.selective = cfg.attention_dropout, cfg.recompute == "selective"
+        output_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, (heads + 2 * groups) * head_dim, group, bias=cfg.bias,
+                                        sequence_parallel=sequence_parallel, grad_pieces=grad_pieces,
+                                        init_std=cfg.init_std, dtype=dtype, device=device)
+        self.proj = RowParallelLinear(heads * head_dim, cfg.hidden_size, group, bias=cfg.bias,
+                                      sequence_parallel=sequence_parallel, init_std=output_std,
+                                      dtype=dtype, device=device)
+
+    def context(self, x: torch.Tensor, rotary, attention_mask) -> torch.Tensor:
+        """Everything up to the output projection: [b, s, h] -> this rank's heads [b, s, local heads * d]."""
+        qkv = self.qkv(x)
+        b, s = qkv.shape[:2]
+        qkv = qkv.view(b, s, self.local_groups, self.queries_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :self.queries_per_group].reshape(b, s, -1, self.head_dim).transpose(1, 2)
+        k = qkv[:, :, :, self.queries_per_group].transpose(1, 2)
+        v = qkv[:, :, :, self.queries_per_group + 1].transpose(1, 2)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if self.queries_per_group > 1:
+            k = k.repeat_interleave(self.queries_per_group, dim=1)
+            v = v.repeat_interleave(self.queries_per_group, dim=1)
+        if self.selective:
+            out = recompute(self._core, q, k, v, attention_mask)
+        else:
+            out = self._core(q, k, v, attention_mask)
+        return out.transpose(1, 2).reshape(b, s, -1)
+
+    def _core(self, q, k, v, attention_mask):
+        """Softmax(QK^T/sqrt(d)) V; dropout on probabilities uses the TP stream (heads differ per rank)."""
+        dropout = self.dropout_p if self.training else 0.0
+        with get_tracker().fork() if dropout > 0 else contextlib.nullcontext():
+            if attention_mask is None:
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout)

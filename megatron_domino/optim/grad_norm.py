@@ -1,0 +1,40 @@
+"""The global gradient norm, with every gradient element counted exactly once.
+
+TP-sharded parameters contribute their shard on every TP rank; replicated ones (norms,
+row-parallel biases) only on TP rank 0; a tied output head that duplicates the first stage's
+embedding only there; ZeRO shards only their own slice. Squares are summed locally and
+all-reduced over the groups that hold distinct elements.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..tensor_parallel.sharding import is_tp_duplicate
+
+
+def counts_once(param: torch.Tensor, tp_rank: int) -> bool:
+    """Whether this rank's copy of ``param`` is the one that counts in global reductions."""
+    return not is_tp_duplicate(param, tp_rank) and not hasattr(param, "canonical_name")
+
+
+def local_squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+
+
+def global_norm(local_squared: torch.Tensor, groups) -> float:
+    """sqrt of the sum of ``local_squared`` over every group in ``groups`` (None entries skipped)."""
+    total = local_squared.clone()
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
+    return total.sqrt().item()
+
+
+def model_grad_norm(params, tp_rank: int, groups) -> float:
+    """Norm of ``.grad`` over unsharded (non-ZeRO) parameters, each element once."""
+    grads = [p.grad for p in params if p.grad is not None and counts_once(p, tp_rank)]
+    device = grads[0].device if grads else torch.device("cpu")
+    return global_norm(local_squared_norm(grads).to(device), groups)

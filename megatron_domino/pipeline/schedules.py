@@ -1,0 +1,170 @@
+"""Pipeline schedules as data: one list of instructions per pipeline rank.
+
+Keeping the schedule a plain value (instead of code interleaved with p2p calls)
+lets the simulator prove it deadlock-free and FIFO-consistent without starting a
+process, and lets the executor stay a dumb loop over the list.
+
+Layout: rank ``r`` holds ``virtual_pp`` model chunks; chunk ``c`` is global
+virtual stage ``c * pp + r`` (Megatron's interleaved layout). Activations of
+virtual stage ``s`` go to stage ``s + 1``; gradients flow back.
+
+Each compute instruction is immediately preceded by the receive that feeds it
+and immediately followed by the send of what it produced. Sends are
+non-blocking, receives block. Every rank visits forwards (and, separately,
+backwards) in the same rank-independent ``(chunk, microbatch)`` order, which is
+what keeps each channel's sends and receives in the same order (NCCL has no tags).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OPS = ("recv_forward", "forward", "send_forward", "recv_backward", "backward", "send_backward")
+KINDS = ("none", "1f1b", "interleaved")
+_PREFIX = {
+    "recv_forward": "rF",
+    "forward": "F",
+    "send_forward": "sF",
+    "recv_backward": "rB",
+    "backward": "B",
+    "send_backward": "sB",
+}
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One step of a rank's schedule: compute or a point-to-point transfer of one micro-batch's tensor."""
+
+    op: str  # one of OPS
+    microbatch: int
+    chunk: int = 0  # model chunk on this rank; global virtual stage chunk * pp + rank
+
+    def __post_init__(self):
+        if self.op not in OPS:
+            raise ValueError(f"Instruction op {self.op!r} is not a pipeline op; fix: use one of {', '.join(OPS)}")
+
+    @property
+    def is_compute(self) -> bool:
+        return self.op in ("forward", "backward")
+
+    def label(self, show_chunk: bool) -> str:
+        """Short name such as "F3", "sB3" or, with the chunk shown, "F3.1"."""
+        text = f"{_PREFIX[self.op]}{self.microbatch}"
+        return f"{text}.{self.chunk}" if show_chunk else text
+
+    def __str__(self) -> str:
+        # The instruction does not know virtual_pp; chunk 0 is left implicit.
+        # Callers that know virtual_pp > 1 use label(True) for uniform names.
+        return self.label(self.chunk != 0)
+
+
+def virtual_stage(pp_rank: int, chunk: int, pp: int) -> int:
+    """Global virtual stage of ``chunk`` on ``pp_rank`` in the interleaved layout."""
+    return chunk * pp + pp_rank
+
+
+def with_transfers(compute: Instruction, stage: int, num_stages: int) -> list[Instruction]:
+    """Surround a compute instruction of virtual ``stage`` with the receive it needs and the send it feeds."""
+    mb, chunk = compute.microbatch, compute.chunk
+    if compute.op == "forward":
+        needs_recv, needs_send = stage > 0, stage < num_stages - 1
+        recv, send = "recv_forward", "send_forward"
+    elif compute.op == "backward":
+        needs_recv, needs_send = stage < num_stages - 1, stage > 0
+        recv, send = "recv_backward", "send_backward"
+    else:
+        raise ValueError(f"with_transfers needs a forward or backward instruction, got {compute.op!r}")
+    out = [Instruction(recv, mb, chunk)] if needs_recv else []
+    out.append(compute)
+    if needs_send:
+        out.append(Instruction(send, mb, chunk))
+    return out
+
+
+def _one_forward_one_backward(forwards: list, backwards: list, warmup: int) -> list[Instruction]:
+    """Warm-up forwards, then alternate one forward with one backward, then drain the backwards."""
+    steady = len(forwards) - warmup
+    order = list(forwards[:warmup])
+    for i in range(steady):
+        order += [forwards[warmup + i], backwards[i]]
+    return order + list(backwards[steady:])
+
+
+def _interleaved_chunk(k: int, pp: int, virtual_pp: int, forward: bool) -> int:
+    """Chunk of the k-th virtual micro-batch: groups of pp micro-batches sweep the chunks in turn."""
+    chunk = (k % (pp * virtual_pp)) // pp
+    return chunk if forward else virtual_pp - 1 - chunk
+
+
+def _interleaved_microbatch(k: int, pp: int, virtual_pp: int) -> int:
+    return (k // (pp * virtual_pp)) * pp + k % pp
+
+
+def _interleaved_order(pp: int, rank: int, m: int, v: int) -> list[Instruction]:
+    total = m * v
+    fwd = [Instruction("forward", _interleaved_microbatch(k, pp, v), _interleaved_chunk(k, pp, v, True))
+           for k in range(total)]
+    bwd = [Instruction("backward", _interleaved_microbatch(k, pp, v), _interleaved_chunk(k, pp, v, False))
+           for k in range(total)]
+    return _one_forward_one_backward(fwd, bwd, interleaved_warmup(pp, rank, m, v))
+
+
+def interleaved_warmup(pp: int, rank: int, num_microbatches: int, virtual_pp: int) -> int:
+    """Chunk-forwards a rank runs before its first backward in the interleaved schedule (Megatron's rule).
+
+    Enough for micro-batch 0 to reach the last virtual stage and its gradient to come back to this rank;
+    with exactly pp micro-batches every forward runs first.
+    """
+    total = num_microbatches * virtual_pp
+    if num_microbatches == pp:
+        return total
+    return min((pp - rank - 1) * 2 + (virtual_pp - 1) * pp, total)
+
+
+def _validate(kind: str, pp: int, m: int, v: int) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"pipeline schedule kind {kind!r} is not one of {', '.join(KINDS)}; "
+                         f"fix: use 'none' for parallel.pp = 1, '1f1b', or 'interleaved' with parallel.virtual_pp > 1")
+    if pp < 1 or v < 1:
+        raise ValueError(f"parallel.pp = {pp} and parallel.virtual_pp = {v} must both be >= 1; "
+                         f"fix: set them to 1 or more")
+    if m < 1:
+        raise ValueError(f"the number of micro-batches (train.global_batch_size / (train.micro_batch_size * dp)) "
+                         f"is {m} but must be >= 1; fix: raise train.global_batch_size")
+    if kind == "none" and (pp != 1 or v != 1):
+        raise ValueError(f"schedule 'none' runs without a pipeline but parallel.pp = {pp}, parallel.virtual_pp = {v}; "
+                         f"fix: set parallel.pp: 1 and parallel.virtual_pp: 1, or use the '1f1b' schedule")
+    if kind == "1f1b" and v != 1:
+        raise ValueError(f"schedule '1f1b' holds one model chunk per rank but parallel.virtual_pp = {v}; "
+                         f"fix: set parallel.virtual_pp: 1, or use the 'interleaved' schedule")
+    if kind == "interleaved":
+        if pp < 2 or v < 2:
+            raise ValueError(f"the interleaved schedule needs parallel.pp > 1 and parallel.virtual_pp > 1, "
+                             f"got parallel.pp = {pp}, parallel.virtual_pp = {v}; "
+                             f"fix: raise them, or use '1f1b' (parallel.virtual_pp: 1) or 'none' (parallel.pp: 1)")
+        if m % pp:
+            raise ValueError(f"the interleaved schedule needs the number of micro-batches "
+                             f"(train.global_batch_size / (train.micro_batch_size * dp) = {m}) to be a multiple of "
+                             f"parallel.pp = {pp} (parallel.virtual_pp = {v}); fix: make train.global_batch_size a "
+                             f"multiple of train.micro_batch_size * dp * {pp}, or set parallel.virtual_pp: 1")
+
+
+def build_schedule(kind: str, pp: int, num_microbatches: int, virtual_pp: int = 1) -> list[list[Instruction]]:
+    """Instruction list for every pipeline rank (index = rank).
+
+    "none": pp = 1, F0 B0 F1 B1 ... (gradient accumulation, one micro-batch alive).
+    "1f1b": warm-up of min(pp - rank - 1, m) forwards, steady one-forward-one-backward, cool-down.
+    "interleaved": the same shape over m * virtual_pp chunk-micro-batches (Megatron's interleaved 1F1B).
+    """
+    _validate(kind, pp, num_microbatches, virtual_pp)
+    m, stages = num_microbatches, pp * virtual_pp
+    schedule = []
+    for rank in range(pp):
+        if kind == "interleaved":
+            order = _interleaved_order(pp, rank, m, virtual_pp)
+        else:
+            fwd = [Instruction("forward", i) for i in range(m)]
+            bwd = [Instruction("backward", i) for i in range(m)]
+            order = _one_forward_one_backward(fwd, bwd, min(pp - rank - 1, m))
+        schedule.append([t for inst in order
+                         for t in with_transfers(inst, virtual_stage(rank, inst.chunk, pp), stages)])
+    return schedule
