@@ -1,0 +1,113 @@
+"""Pipeline x TP (Domino on) x DP against one process: loss and every gradient after one step (fp32)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_domino.config import Config, ModelConfig
+from megatron_domino.models import LanguageModel, initialize_weights
+from megatron_domino.parallel import Topology, state as parallel_state
+from megatron_domino.pipeline.engine import PipelineEngine
+from megatron_domino.pipeline.stages import (allreduce_sequence_parallel_grads, allreduce_tied_embedding_grads,
+                                             build_stage_chunks)
+from megatron_domino.tensor_parallel.sharding import get_shard_spec, unshard
+from tests.harness import run_ranks
+
+TOL = 1e-5
+GPT = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=16,
+                  vocab_size=200, make_vocab_size_divisible_by=8)
+LLAMA = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=64,
+                    seq_length=16, vocab_size=200, make_vocab_size_divisible_by=8, position_embedding="rope",
+                    norm="rmsnorm", activation="swiglu", bias=False, tie_embeddings=False)
+GLOBAL_BATCH, MICRO_BATCH = 8, 2
+
+
+def _config(model, tp, pp, dp, virtual_pp=1, layout=None, sequence_parallel=False):
+    cfg = Config(model=model)
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.virtual_pp = tp, pp, dp, virtual_pp
+    cfg.parallel.domino, cfg.parallel.pipeline_layout = not sequence_parallel, layout
+    cfg.parallel.sequence_parallel = sequence_parallel
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = MICRO_BATCH, GLOBAL_BATCH
+    return cfg
+
+
+def _global_batch(model):
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, model.vocab_size, (GLOBAL_BATCH, model.seq_length), generator=g)
+    labels = torch.randint(0, model.vocab_size, (GLOBAL_BATCH, model.seq_length), generator=g)
+    loss_mask = (torch.rand(GLOBAL_BATCH, model.seq_length, generator=g) > 0.2).float()
+    return tokens, labels, loss_mask
+
+
+def _reference(model):
+    dense = LanguageModel(model)
+    initialize_weights(dense, seed=3)
+    tokens, labels, mask = _global_batch(model)
+    per_token = dense(None, {"tokens": tokens, "labels": labels})
+    loss = (per_token * mask).sum() / mask.sum()
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in dense.named_global_parameters()}
+
+
+def _run_layout(rank, world_size, cfg):
+    par = cfg.parallel
+    ps = parallel_state.initialize(Topology(world_size, par.tp, par.pp, par.dp, par.virtual_pp), print_rank_map=False)
+    chunks = build_stage_chunks(cfg, ps, init_seed=3)
+    tokens, labels, mask = _global_batch(cfg.model)
+    per_rank = GLOBAL_BATCH // ps.dp_size
+    rows = slice(ps.dp_rank * per_rank, (ps.dp_rank + 1) * per_rank)
+    micro = [{"tokens": t, "labels": l, "loss_mask": m} for t, l, m in
+             zip(tokens[rows].split(MICRO_BATCH), labels[rows].split(MICRO_BATCH), mask[rows].split(MICRO_BATCH))]
+    engine = PipelineEngine(chunks, ps, cfg, device=torch.device("cpu"), dtype=torch.float32,
+                            num_microbatches=len(micro))
+    loss = engine.forward_backward(micro)
+    grad_of = lambda p: p.grad  # noqa: E731
+    for chunk in chunks:
+        for p in chunk.parameters():
+            dist.all_reduce(p.grad, group=ps.dp_group)
+    allreduce_tied_embedding_grads(chunks, ps, grad_of)
+    allreduce_sequence_parallel_grads(chunks, ps, grad_of)
+    grads = {}
+    for chunk in chunks:
+        for name, p in chunk.named_global_parameters():
+            pieces = [torch.empty_like(p.grad) for _ in range(ps.tp_size)]
+            dist.all_gather(pieces, p.grad.contiguous(), group=ps.tp_group)
+            full = unshard(pieces, get_shard_spec(p))
+            rows_ = getattr(p, "vocab_rows", None)
+            grads[name] = full[:rows_] if rows_ is not None else full
+    parallel_state.destroy()
+    return loss, grads
+
+
+def _check(rank, world_size, layouts):
+    results = []
+    for model, cfg in layouts:
+        ref_loss, ref_grads = _reference(model)
+        loss, grads = _run_layout(rank, world_size, cfg)
+        assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (cfg.parallel, loss, ref_loss)
+        for name, grad in grads.items():
+            expected = ref_grads[name]
+            rows = grad.shape[0]
+            err = ((grad - expected[:rows]).abs().max() / expected.abs().max()).item()
+            assert err <= TOL, f"{cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp} {name}: {err:.2e}"
+        results.append(sorted(grads))
+    return results
+
+
+LAYOUTS = {
+    2: [(GPT, _config(GPT, 1, 2, 1)), (LLAMA, _config(LLAMA, 1, 2, 1)),
+        (GPT, _config(GPT, 1, 2, 1, virtual_pp=2)), (LLAMA, _config(LLAMA, 1, 2, 1, virtual_pp=2)),
+        (GPT, _config(GPT, 1, 2, 1, layout=[1, 3])), (LLAMA, _config(LLAMA, 1, 2, 1, layout=[3, 1]))],
+    4: [(GPT, _config(GPT, 1, 4, 1)), (GPT, _config(GPT, 2, 2, 1)), (LLAMA, _config(LLAMA, 2, 2, 1)),
+        (GPT, _config(GPT, 2, 2, 1, sequence_parallel=True))],
+    8: [(GPT, _config(GPT, 2, 2, 2)), (LLAMA, _config(LLAMA, 2, 2, 2))],
+}
+
+
+@pytest.mark.parametrize("world_size", sorted(LAYOUTS))
+def test_pipeline_matches_single_process(world_size):
+    results = run_ranks(_check, world_size, LAYOUTS[world_size], timeout=300)
+    for layout_index in range(len(LAYOUTS[world_size])):  # together the stages cover every parameter once
+        names = set().union(*(r[layout_index] for r in results))
+        model = LAYOUTS[world_size][layout_index][0]
+        dense = LanguageModel(model)
+        assert names == {n for n, _ in dense.named_global_parameters()}
