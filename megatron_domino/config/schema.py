@@ -100,6 +100,7 @@ class TrainConfig:
     bf16: bool = False
     eval_interval: int = 0  # 0: no periodic evaluation
     eval_iters: int = 2
+    exit_interval: int = 0  # save and exit cleanly once the step count is a multiple of this (0: off)
 
 
 @dataclass

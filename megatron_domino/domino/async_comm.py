@@ -16,6 +16,8 @@ thread. The same code serves both.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -151,10 +153,48 @@ class LinearWithAsyncInputGradient(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None
 
 
+_wait_recorder: list | None = None
+
+
+@contextlib.contextmanager
+def recording_gradient_waits():
+    """Collect the backward wait nodes that column-parallel linears create inside the block."""
+    global _wait_recorder
+    previous, _wait_recorder = _wait_recorder, []
+    try:
+        yield _wait_recorder
+    finally:
+        _wait_recorder = previous
+
+
+def sequence_mark() -> int | None:
+    """The autograd engine's current node sequence number (its backward priority: higher runs first)."""
+    if not torch.is_grad_enabled():
+        return None
+    return torch.zeros((), requires_grad=True).clone().grad_fn._sequence_nr()
+
+
+def defer_waits(wait_nodes: list, sequence_nr: int | None) -> None:
+    """Give wait nodes the backward priority of an earlier point in forward.
+
+    Autograd runs ready nodes latest-created first, so a wait created right before its linear
+    would run right after it. Lowering its sequence number lets the engine run the other
+    mu-chunks' backward while the all-reduce flies; dependencies still force the wait before
+    anything that consumes the gradient.
+    """
+    if sequence_nr is None:
+        return
+    for node in wait_nodes:
+        node._set_sequence_nr(sequence_nr)
+
+
 def column_linear_async(x, weight, bias, group, pieces: int):
     """A column-parallel linear whose backward overlaps the input-gradient all-reduce with weight-gradient work."""
     pending = PendingInputGradient(group, pieces)
-    return LinearWithAsyncInputGradient.apply(WaitForInputGradient.apply(x, pending), weight, bias, pending)
+    waited = WaitForInputGradient.apply(x, pending)
+    if _wait_recorder is not None and waited.grad_fn is not None:
+        _wait_recorder.append(waited.grad_fn)
+    return LinearWithAsyncInputGradient.apply(waited, weight, bias, pending)
 
 
 def row_linear_launch(x, weight, group, pieces: int) -> PendingReduce:

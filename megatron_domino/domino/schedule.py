@@ -10,6 +10,9 @@ chunk's pending all-reduce is waited only right before that chunk's next phase n
 
 Intra-layer mode waits for every chunk at the end of each layer instead. With one chunk and
 Domino off the same loop is Megatron's synchronous TP (the projection reduces in place).
+
+Backward mirrors forward in both modes: each chunk's input-gradient all-reduce is waited only
+after the other chunks' next computation (see ``async_comm.defer_waits``).
 """
 from __future__ import annotations
 
@@ -17,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.block import PHASES
+from .async_comm import defer_waits, recording_gradient_waits, sequence_mark
+
+PHASES = ("attention", "mlp")  # the two communicating phases of a block, in order
 
 
 @dataclass
@@ -36,12 +41,18 @@ def run_blocks(blocks, chunks: list[torch.Tensor], contexts: list[tuple], *, asy
     """Run ``blocks`` over every chunk; ``contexts[i]`` = (rotary, attention_mask) of chunk i."""
     chunks = list(chunks)
     in_flight: list[_InFlight | None] = [None] * len(chunks)
+    marks = []  # where each (phase, chunk) computation started, in autograd's creation order
     for block in blocks:
         for phase in PHASES:
             for i, (rotary, mask) in enumerate(contexts):
                 if in_flight[i] is not None:
                     chunks[i], in_flight[i] = in_flight[i].finish(), None
-                hidden = block.phase_hidden(phase, chunks[i], rotary, mask)
+                if asynchronous:
+                    marks.append(sequence_mark())
+                with recording_gradient_waits() as waits:
+                    hidden = block.phase_hidden(phase, chunks[i], rotary, mask)
+                if asynchronous:  # backward mirrors forward: wait k - 1 computations later
+                    defer_waits(waits, marks[max(0, len(marks) - len(contexts))])
                 projection = block.projection(phase)
                 if asynchronous:
                     pending, bias = projection.launch(hidden, column_pieces)

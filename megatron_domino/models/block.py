@@ -18,8 +18,6 @@ from .mlp import MLP
 from .norms import Norm
 from .recompute import recompute
 
-PHASES = ("attention", "mlp")
-
 
 class TransformerBlock(nn.Module):
     def __init__(self, cfg, group, *, layer_number: int, grad_pieces: int = 0, sequence_parallel: bool = False,

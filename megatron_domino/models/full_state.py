@@ -1,7 +1,8 @@
-"""Moving a stage's parameters to and from full-size tensors with global names.
+"""Moving a stage's tensors to and from full-size tensors with global names.
 
 Full-size means as on one device: TP shards concatenated and vocabulary padding removed.
-Checkpoints, resharding and HF conversion all go through these two functions.
+Checkpoints (parameters and optimizer states), resharding and HF conversion all go through
+``gather_full`` / ``shard_full``.
 """
 from __future__ import annotations
 
@@ -11,14 +12,35 @@ import torch.distributed as dist
 from ..tensor_parallel.sharding import get_shard_spec, shard, unshard
 
 
-def _pad_vocab(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def shard_full(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
+    """This rank's slice of a full tensor shaped like ``param``'s full value (vocab padding re-applied)."""
     spec = get_shard_spec(param)
-    padded = spec.full_size if spec is not None else param.shape[0]
-    if full.shape[0] == padded:
-        return full
-    out = full.new_zeros((padded,) + tuple(full.shape[1:]))
-    out[:full.shape[0]] = full
-    return out
+    if getattr(param, "vocab_rows", None) is not None and full.shape[0] != spec.full_size:
+        padded = full.new_zeros((spec.full_size,) + tuple(full.shape[1:]))
+        padded[:full.shape[0]] = full
+        full = padded
+    return shard(full, spec, tp_rank, tp)
+
+
+def gather_full(local: torch.Tensor, param: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """The full CPU tensor from every TP rank's ``local`` (shaped like ``param``); collective over TP."""
+    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+    spec = get_shard_spec(param)
+    if spec is None or tp == 1:
+        full = local.detach().cpu().clone()
+    else:
+        pieces = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(pieces, local.detach().contiguous(), group=tp_group)
+        full = unshard([p.cpu() for p in pieces], spec)
+    rows = getattr(param, "vocab_rows", None)
+    return full[:rows].clone() if rows is not None else full
+
+
+def saved_parameters(model):
+    """(global name, param) pairs a checkpoint stores: a tied head's copy of the embedding is stored once."""
+    for name, param in model.named_global_parameters():
+        if not hasattr(param, "canonical_name"):
+            yield name, param
 
 
 @torch.no_grad()
@@ -29,12 +51,9 @@ def load_full_state_dict(model, state: dict, tp_rank: int = 0, tp: int = 1, stri
         if name not in state:
             missing.append(name)
             continue
-        full = state[name]
-        if getattr(param, "vocab_rows", None) is not None:
-            full = _pad_vocab(full, param)
-        local = shard(full.to(torch.float32), get_shard_spec(param), tp_rank, tp)
+        local = shard_full(state[name].to(torch.float32), param, tp_rank, tp)
         if local.shape != param.shape:
-            raise ValueError(f"checkpoint tensor {name}: full shape {tuple(full.shape)} gives a shard of "
+            raise ValueError(f"checkpoint tensor {name}: full shape {tuple(state[name].shape)} gives a shard of "
                              f"{tuple(local.shape)} at tp = {tp}, but the model expects {tuple(param.shape)}. "
                              f"Fix: the checkpoint is from a different model.* shape; compare its config.")
         param.copy_(local)
@@ -45,17 +64,5 @@ def load_full_state_dict(model, state: dict, tp_rank: int = 0, tp: int = 1, stri
 
 @torch.no_grad()
 def full_state_dict(model, tp_group=None) -> dict:
-    """Gather every parameter of this stage over TP into full-size CPU tensors (collective over TP)."""
-    tp = dist.get_world_size(tp_group) if tp_group is not None else 1
-    state = {}
-    for name, param in model.named_global_parameters():
-        spec = get_shard_spec(param)
-        if spec is None or tp == 1:
-            full = param.detach().cpu().clone()
-        else:
-            pieces = [torch.empty_like(param) for _ in range(tp)]
-            dist.all_gather(pieces, param.detach().contiguous(), group=tp_group)
-            full = unshard([p.cpu() for p in pieces], spec)
-        rows = getattr(param, "vocab_rows", None)
-        state[name] = full[:rows].clone() if rows is not None else full
-    return state
+    """Every stored parameter of this stage as a full-size CPU tensor (collective over TP)."""
+    return {name: gather_full(param, param, tp_group) for name, param in saved_parameters(model)}

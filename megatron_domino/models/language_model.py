@@ -105,7 +105,7 @@ class LanguageModel(nn.Module):
         tokens = batch["tokens"]
         hidden = self.embedding.word_embeddings(tokens)
         if hasattr(self.embedding, "position_embeddings"):
-            hidden = hidden + self.embedding.position_embeddings(self._position_ids(batch))
+            hidden = hidden + self.embedding.position_embeddings(self._position_ids(batch, tokens.shape[0]))
         if self.sequence_parallel:
             hidden = comm.scatter_to_sp(hidden, self.group)
         if self.training and self.cfg.hidden_dropout > 0:
@@ -116,13 +116,11 @@ class LanguageModel(nn.Module):
                 hidden = F.dropout(hidden, self.cfg.hidden_dropout)
         return hidden
 
-    @staticmethod
-    def _position_ids(batch: dict) -> torch.Tensor:
+    def _position_ids(self, batch: dict, batch_size: int) -> torch.Tensor:
         if batch.get("position_ids") is not None:
             return batch["position_ids"]
-        b, s = batch["tokens"].shape if "tokens" in batch else batch["labels"].shape
-        device = (batch.get("tokens") if "tokens" in batch else batch["labels"]).device
-        return torch.arange(s, device=device).expand(b, s)
+        device = next(self.parameters()).device
+        return torch.arange(self.cfg.seq_length, device=device).expand(batch_size, -1)
 
     def _run_layers(self, hidden: torch.Tensor, batch: dict) -> torch.Tensor:
         if not len(self.layers):
@@ -130,7 +128,7 @@ class LanguageModel(nn.Module):
         rows, columns = self.plan.split_for(hidden.shape[0])
         rotary = None
         if self.cfg.position_embedding == "rope":
-            rotary = rotary_tables(self._position_ids(batch), self.inv_freq)
+            rotary = rotary_tables(self._position_ids(batch, hidden.shape[0]), self.inv_freq)
         mask = batch.get("attention_mask")
         chunk_bounds = torch.arange(hidden.shape[0]).tensor_split(rows)
         chunks = [hidden[idx[0]:idx[-1] + 1] for idx in chunk_bounds]

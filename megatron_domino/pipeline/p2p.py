@@ -10,6 +10,7 @@ With ``variable_shapes`` the shape travels first, as a small int64 tensor.
 from __future__ import annotations
 
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ class P2P:
         self.device, self.variable_shapes = device, variable_shapes
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._pending_sends: list[tuple[object, torch.Tensor]] = []
+        self._wait_seconds = 0.0
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()
@@ -47,12 +49,19 @@ class P2P:
         self._wait(dist.irecv(buffer, src, tag=tag), src, what)
         return buffer
 
+    def take_wait_seconds(self) -> float:
+        """Time spent blocked in receives since the last call (the timers' "p2p-wait")."""
+        seconds, self._wait_seconds = self._wait_seconds, 0.0
+        return seconds
+
     def _wait(self, work, src: int, what: str) -> None:
+        start = time.perf_counter()
         try:
             completed = work.wait(self.timeout)
         except RuntimeError as error:
             raise P2PTimeout(f"pipeline receive of {what} from rank {src} failed or timed out after "
                              f"{self.timeout.total_seconds():.0f}s: {error}") from error
+        self._wait_seconds += time.perf_counter() - start
         if completed is False:
             raise P2PTimeout(f"pipeline receive of {what} from rank {src} timed out after "
                              f"{self.timeout.total_seconds():.0f}s")

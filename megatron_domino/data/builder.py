@@ -1,0 +1,101 @@
+"""From the run configuration to the train/valid/test datasets the trainer iterates.
+
+``data.path`` is Megatron's list: ``[PREFIX]`` or ``[w1, PREFIX1, w2, PREFIX2, ...]``. Every prefix is split
+into train/valid/test by ``data.split`` over its documents; with several prefixes each split is a blend.
+``data.mock`` replaces all of it with synthetic tokens.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import numpy as np
+
+from megatron_domino.config.schema import Config
+
+from .blended_dataset import BlendedDataset, load_blending_indices
+from .gpt_dataset import GPTDataset, MockGPTDataset, SampleOptions
+from .gpt_index import parse_split, split_ranges
+from .index_cache import cache_dir_for
+from .indexed_dataset import IndexedDataset
+from .tokenizer import build_tokenizer
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def parse_data_path(path) -> list[tuple[float, str]]:
+    """(weight, prefix) pairs from ``data.path``."""
+    if not path:
+        raise ValueError("data.path is empty; set data.path: [PREFIX] (PREFIX.bin/.idx from tools/preprocess_data.py) "
+                         "or data.mock: true for synthetic data")
+    items = [str(x) for x in ([path] if isinstance(path, str) else path)]
+    if len(items) == 1:
+        return [(1.0, items[0])]
+    try:
+        pairs = [(float(items[i]), items[i + 1]) for i in range(0, len(items), 2)] if len(items) % 2 == 0 else None
+    except ValueError:
+        pairs = None
+    if pairs is None:
+        raise ValueError(f"data.path={items} must be [PREFIX] or weight/prefix pairs [w1, PREFIX1, w2, PREFIX2, ...]; "
+                         f"write a weight before every prefix")
+    return pairs
+
+
+def _sample_options(cfg: Config, eod: int) -> SampleOptions:
+    return SampleOptions(cfg.model.seq_length, eod, cfg.data.reset_position_ids, cfg.data.reset_attention_mask,
+                         cfg.data.eod_mask_loss)
+
+
+def _eod_token(cfg: Config) -> int:
+    """EOD matters only to the reset/mask flags; the tokenizer files are read only when one of them is on."""
+    if cfg.data.reset_position_ids or cfg.data.reset_attention_mask or cfg.data.eod_mask_loss:
+        return build_tokenizer(cfg.tokenizer, cfg.model.vocab_size).eod
+    return cfg.model.vocab_size - 1
+
+
+def build_train_valid_test_datasets(cfg: Config, num_samples: tuple[int, int, int], build_on_this_rank: bool = True,
+                                    barrier: Callable[[], None] | None = None) -> tuple:
+    """(train, valid, test) holding at least ``num_samples`` samples each; None for a split whose share in
+    ``data.split`` is 0 or that asks for no samples.
+
+    Index building runs where ``build_on_this_rank`` is True; then every rank calls ``barrier()`` (when given)
+    and loads the cached indices. With no barrier, each rank builds what it does not find.
+    """
+    shares = parse_split(cfg.data.split)
+    wanted = [share > 0 and n > 0 for share, n in zip(shares, num_samples)]
+    if num_samples[0] > 0 and not wanted[0]:
+        raise ValueError(f"data.split={cfg.data.split!r} gives the train split no share but {num_samples[0]} training "
+                         f"samples are needed; give train a positive share, e.g. '949,50,1'")
+    if cfg.data.mock:
+        options = _sample_options(cfg, cfg.model.vocab_size - 1)
+        return tuple(MockGPTDataset(n, cfg.model.vocab_size, options, cfg.train.seed, s) if want else None
+                     for s, (n, want) in enumerate(zip(num_samples, wanted)))
+    options = _sample_options(cfg, _eod_token(cfg))
+    sources = parse_data_path(cfg.data.path)
+    indexed = {prefix: IndexedDataset(prefix) for _, prefix in sources}
+    result = []
+    for s, name in enumerate(SPLIT_NAMES):
+        if not wanted[s]:
+            result.append(None)
+            continue
+        build = dict(options=options, seed=cfg.train.seed, build_on_this_rank=build_on_this_rank, barrier=barrier)
+        if len(sources) == 1:
+            prefix = sources[0][1]
+            result.append(_gpt_dataset(indexed[prefix], shares, s, num_samples[s], cfg.data.cache_dir, **build))
+            continue
+        description = {"prefixes": [os.path.abspath(p) for _, p in sources], "split": name, "data_split": shares}
+        choice, within = load_blending_indices([w for w, _ in sources], num_samples[s],
+                                               cache_dir_for(sources[0][1], cfg.data.cache_dir), description,
+                                               build_on_this_rank, barrier)
+        counts = np.bincount(np.asarray(choice, dtype=np.int64), minlength=len(sources))
+        parts = [_gpt_dataset(indexed[prefix], shares, s, int(count), cfg.data.cache_dir, **build) if count else None
+                 for (_, prefix), count in zip(sources, counts)]
+        result.append(BlendedDataset(parts, choice, within))
+    return tuple(result)
+
+
+def _gpt_dataset(indexed: IndexedDataset, shares: list[float], split: int, count: int, cache_dir: str | None,
+                 options: SampleOptions, seed: int, build_on_this_rank: bool, barrier) -> GPTDataset:
+    """Split ``split`` of one prefix, holding at least ``count`` samples."""
+    return GPTDataset(indexed, split_ranges(shares, len(indexed))[split], count, options, seed,
+                      cache_dir_for(indexed.prefix, cache_dir), SPLIT_NAMES[split], build_on_this_rank, barrier)
