@@ -59,8 +59,8 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
 
 
 # torch 2.13 renamed the flat collectives; older releases (>= 2.4 is supported) only have the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
@@ -69,7 +69,7 @@ def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     if size == 1:
         return x
     out = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_flat(out, x.contiguous(), group=group)
+    all_gather_flat(out, x.contiguous(), group=group)
     return torch.cat(out.chunk(size, dim=0), dim=SEQUENCE_DIM)
 
 
@@ -83,7 +83,7 @@ def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
                          f"(sequence parallelism). Fix: make model.seq_length a multiple of parallel.tp.")
     stacked = torch.cat(x.chunk(size, dim=SEQUENCE_DIM), dim=0)
     out = torch.empty((x.shape[0],) + tuple(stacked.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_flat(out, stacked, group=group)
+    reduce_scatter_flat(out, stacked, group=group)
     return out
 
 

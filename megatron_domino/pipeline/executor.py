@@ -51,6 +51,7 @@ class PipelineExecutor:
         self.loss_fn, self.on_backward = loss_fn, on_backward
         self.num_stages = stage.pp * stage.virtual_pp
         self.current: Instruction | None = None
+        self.position, self.length = 0, 0
 
     def _stage_of(self, chunk: int) -> int:
         return virtual_stage(self.stage.pp_rank, chunk, self.stage.pp)
@@ -60,7 +61,8 @@ class PipelineExecutor:
         inputs, outputs, grads_in, grads_out, losses = {}, {}, {}, {}, []
         last_backward = {c: max(i.microbatch for i in schedule if i.op == "backward" and i.chunk == c)
                          for c in range(self.stage.virtual_pp) if any(i.chunk == c for i in schedule)}
-        for instruction in schedule:
+        self.length = len(schedule)
+        for self.position, instruction in enumerate(schedule):
             self.current = instruction
             key, op = (instruction.chunk, instruction.microbatch), instruction.op
             if op == "recv_forward":
@@ -99,4 +101,8 @@ class PipelineExecutor:
 
     def describe(self) -> str:
         """The instruction being executed, for hang and failure reports."""
-        return "idle" if self.current is None else f"{self.current} (op {self.current.op})"
+        if self.current is None:
+            return "idle"
+        text = f"{self.current} (op {self.current.op}, instruction {self.position + 1} of {self.length})"
+        peer = {"recv_forward": self.stage.prev_rank, "recv_backward": self.stage.next_rank}.get(self.current.op)
+        return text if peer is None else f"{text}, waiting for rank {peer}"

@@ -1,0 +1,192 @@
+"""The data-parallel optimizer: gradient buffers, ZeRO-0/1/2, mixed precision, clipping, one step.
+
+Per parameter, bf16 weights with fp32 Adam cost 2 (weight) + 4 (fp32 gradient) + 12 (fp32 master,
+exp_avg, exp_avg_sq) = 18 bytes. ZeRO-1 shards the 12 over the d DP ranks (6 + 12/d); ZeRO-2 also
+keeps only a 1/d shard of the gradient between steps. ZeRO-0 keeps everything and all-reduces.
+The reduce-scatter writes into a separate shard-sized tensor (never in place, which not every
+backend allows), so ZeRO-1 holds 4/d more gradient bytes than the minimum.
+
+One step, on every rank:
+  backward   hooks move each gradient into its bucket; on the last micro-batch a full bucket starts
+             its DP reduction at once (all-reduce, or reduce-scatter when sharded), overlapping the
+             rest of backward;
+  finish     wait for every bucket (the lead's code may then all-reduce ``reduced_grad(p)`` over the
+             embedding or TP group, in place);
+  step       unscale (fp16) and look for inf/nan on every rank; skip everywhere together if found;
+             global L2 norm (each element once), clip, update this rank's fp32 shard, cast it back
+             into the weights and all-gather the weights over DP.
+
+fp32 weights are their own master: the shard's master tensor is a view of the weight, so no copy
+is kept. The reduction is a SUM over DP: the trainer already divides the loss by the global count.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..config.errors import ConfigError
+from ..config.schema import OptimizerConfig
+from ..models.language_model import WORD_EMBEDDINGS
+from ..parallel import comm
+from .grad_buffer import Fragment, GradBuffer
+from .grad_norm import counts_once, global_norm, local_squared_norm
+from .loss_scaler import found_inf_across_ranks, loss_scaler_from_config
+from .param_groups import build_inner_optimizer, weight_decay_groups
+from .sharded_state import gather_checkpoint_state, load_checkpoint_state
+
+
+class DistributedOptimizer:
+    """See the module docstring. ``norm_groups``: the model-parallel groups (TP, PP) over which squared
+    norms and inf flags are summed besides DP; None entries are skipped. ``dp_group`` None means no data
+    parallelism (only without torch.distributed, or with one rank)."""
+
+    def __init__(self, model_chunks: list[torch.nn.Module], opt: OptimizerConfig, *, dp_group, tp_rank: int,
+                 norm_groups: list, fp16: bool = False, bf16: bool = False):
+        if fp16 and bf16:
+            raise ConfigError("train.fp16 / train.bf16", (fp16, bf16), "at most one precision may be chosen",
+                              "set one of them to false")
+        if opt.zero_stage not in (0, 1, 2):
+            raise ConfigError("optimizer.zero_stage", opt.zero_stage, "must be 0, 1 or 2",
+                              "use 1 (sharded optimizer state) or 0 (plain all-reduce)")
+        self.opt, self.dp_group, self.tp_rank = opt, dp_group, tp_rank
+        self.norm_groups = [group for group in norm_groups if group is not None]
+        dp = comm.group_size(dp_group)
+        self.zero_stage = opt.zero_stage if dp > 1 else 0  # one DP rank: a shard is the whole
+        self.dp_rank = dist.get_rank(dp_group) if dp > 1 else 0
+        self.scaler = loss_scaler_from_config(opt, fp16)
+        self.names = {id(p): name for chunk in model_chunks for name, p in chunk.named_global_parameters()}
+        self.buffers = self._build_buffers(model_chunks)
+        self.fragments: list[Fragment] = [f for buffer in self.buffers for f in buffer.fragments()]
+        self.masters = [f.data if f.data.dtype == torch.float32 else f.data.float() for f in self.fragments]
+        self.device = self.buffers[0].device if self.buffers else torch.device("cpu")
+        groups = weight_decay_groups([(m, f.param) for m, f in zip(self.masters, self.fragments)],
+                                     opt.weight_decay)
+        self.optimizer = build_inner_optimizer(groups, opt, self.device) if groups else None
+        self._fragment_of = {id(f.param): f for f in self.fragments}
+        self._buffer_of = {id(p): buffer for buffer in self.buffers for p in buffer.params}
+        for buffer in self.buffers:
+            for param in buffer.params:
+                param.register_post_accumulate_grad_hook(self._on_grad)
+        self._last_microbatch = True
+        self.steps = 0
+
+    def _build_buffers(self, model_chunks) -> list[GradBuffer]:
+        """One buffer per (chunk, weight dtype), parameters in reverse registration (~ backward) order."""
+        buffers = []
+        for chunk in model_chunks:
+            by_dtype: dict[torch.dtype, list] = {}
+            for param in chunk.parameters():
+                if param.requires_grad:
+                    by_dtype.setdefault(param.dtype, []).append(param)
+            for dtype, params in by_dtype.items():
+                grad_dtype = torch.float32 if self.opt.accumulate_grads_in_fp32 else dtype
+                bucket_elems = max(1, int(self.opt.bucket_size_mb * 2**20) // grad_dtype.itemsize)
+                buffers.append(GradBuffer(params[::-1], grad_dtype, bucket_elems, self.dp_group,
+                                          shard=self.zero_stage >= 1, release=self.zero_stage == 2,
+                                          alone=lambda p: self.names.get(id(p)) == WORD_EMBEDDINGS))
+        return buffers
+
+    # ----- the step's brackets ---------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.scaler.skipped_steps
+
+    @property
+    def reductions_launched(self) -> int:
+        """Bucket reductions launched since construction (tests count them)."""
+        return sum(buffer.launches for buffer in self.buffers)
+
+    def zero_grad(self) -> None:
+        for buffer in self.buffers:
+            buffer.zero()
+            for param in buffer.params:
+                param.grad = None
+
+    def set_last_microbatch(self, is_last: bool) -> None:
+        self._last_microbatch = bool(is_last)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        self._buffer_of[id(param)].accumulate(param, self._last_microbatch, self.opt.overlap_grad_reduce)
+
+    def finish_grad_sync(self) -> None:
+        for buffer in self.buffers:
+            buffer.launch_remaining()
+        for buffer in self.buffers:
+            buffer.wait()
+
+    def reduced_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """1-D view of the DP-reduced gradient of the part of ``param`` this rank steps (all of it under
+        ZeRO-0; possibly empty under ZeRO-1/2). Ranks with the same parameters get matching regions, so
+        it can be all-reduced in place over the TP or embedding group between finish_grad_sync and step."""
+        fragment = self._fragment_of.get(id(param))
+        return fragment.grad if fragment is not None else self._buffer_of[id(param)].reduced_data[:0]
+
+    # ----- the update ------------------------------------------------------------------------------
+    def step(self, lr: float) -> tuple[bool, float | None]:
+        reduced = [buffer.reduced_data for buffer in self.buffers]
+        found_inf = self._found_inf(reduced)
+        self.scaler.update(found_inf)
+        if found_inf:
+            return False, None
+        norm = self._grad_norm()
+        if self.opt.clip_grad > 0:
+            coefficient = self.opt.clip_grad / (norm + 1e-6)
+            if coefficient < 1.0:
+                torch._foreach_mul_(reduced, coefficient)
+        if self.optimizer is not None:
+            self._update(lr)
+        for buffer in self.buffers:
+            buffer.gather_params()
+        self.steps += 1
+        return True, norm
+
+    def _found_inf(self, reduced: list[torch.Tensor]) -> bool:
+        """Unscale in place and check over DP, then over the model-parallel groups (a sum of flags > 0)."""
+        found = found_inf_across_ranks(reduced, self.dp_group, self.scaler.inv_scale)
+        if self.norm_groups:
+            flag = torch.tensor(float(found), device=self.device)
+            found = global_norm(flag, self.norm_groups) > 0
+        return found
+
+    def _grad_norm(self) -> float:
+        """L2 norm over TP x PP x DP; shards are summed over DP only when they are disjoint (ZeRO-1/2)."""
+        grads = [f.grad for f in self.fragments if counts_once(f.param, self.tp_rank)]
+        groups = ([self.dp_group] if self.zero_stage > 0 else []) + self.norm_groups
+        return global_norm(local_squared_norm(grads).to(self.device), groups)
+
+    def _update(self, lr: float) -> None:
+        for master, fragment in zip(self.masters, self.fragments):
+            master.grad = fragment.grad if fragment.grad.dtype == torch.float32 else fragment.grad.float()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        copies = [(f.data, m) for m, f in zip(self.masters, self.fragments) if m is not f.data]
+        if copies:
+            torch._foreach_copy_([data for data, _ in copies], [master for _, master in copies])
+        for master in self.masters:
+            master.grad = None
+
+    # ----- checkpoints and accounting --------------------------------------------------------------
+    def state_dict_for_checkpoint(self) -> dict | None:
+        """Collective over DP. DP rank 0 gets {"params": {name: {"master", states...}}, "scaler", "step"}."""
+        return gather_checkpoint_state(self)
+
+    def load_state_dict_from_checkpoint(self, state: dict) -> None:
+        """The same structure, on every rank; each rank keeps its shard (any DP size or ZeRO stage)."""
+        load_checkpoint_state(self, state)
+
+    def memory_report(self) -> dict:
+        """Bytes held on this rank. ``master_bytes`` counts fp32 masters even where they are the fp32
+        weights themselves; ``params`` is the number of weight elements on this rank."""
+        states = self.optimizer.state.values() if self.optimizer is not None else []
+        return {
+            "params": sum(p.numel() for buffer in self.buffers for p in buffer.params),
+            "master_bytes": sum(m.numel() * m.element_size() for m in self.masters),
+            "optimizer_state_bytes": sum(t.numel() * t.element_size() for state in states
+                                         for t in state.values() if torch.is_tensor(t)),
+            "grad_bytes": sum(buffer.grad_bytes() for buffer in self.buffers),
+        }

@@ -1,0 +1,51 @@
+"""The inner optimizer that updates this rank's fp32 shard: which tensors decay, and which kernel runs.
+
+Weight decay shrinks weights toward zero; on biases and norm gains (1-D parameters) that only
+removes useful offsets and scales, so by default they get none. The decision is made on the model
+parameter, because a ZeRO shard of any parameter is a 1-D tensor.
+
+Implementation: apex's FusedAdam when it is importable and the shard is on CUDA, else torch's
+fused kernels on CUDA, else torch's multi-tensor (foreach) path on the CPU.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config.errors import ConfigError
+from ..config.schema import OptimizerConfig
+
+try:  # optional: NVIDIA apex, never required
+    from apex.optimizers import FusedAdam as _ApexFusedAdam
+except ImportError:
+    _ApexFusedAdam = None
+
+STATE_KEYS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
+def decays(param: torch.Tensor) -> bool:
+    """Matrices and embeddings decay; biases and norm weights do not."""
+    return param.dim() >= 2
+
+
+def weight_decay_groups(masters: list[tuple[torch.Tensor, torch.Tensor]], weight_decay: float) -> list[dict]:
+    """Param groups from (master tensor, model parameter) pairs; empty groups are left out."""
+    decay = [master for master, param in masters if decays(param)]
+    no_decay = [master for master, param in masters if not decays(param)]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def uses_apex(opt: OptimizerConfig, device: torch.device) -> bool:
+    return opt.name == "adamw" and device.type == "cuda" and _ApexFusedAdam is not None
+
+
+def build_inner_optimizer(groups: list[dict], opt: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+    if opt.name not in STATE_KEYS:
+        raise ConfigError("optimizer.name", opt.name, f"must be one of {sorted(STATE_KEYS)}", "use adamw or sgd")
+    cuda = device.type == "cuda"
+    kernel = {"fused": True} if cuda else {"foreach": True}
+    if opt.name == "sgd":
+        return torch.optim.SGD(groups, lr=opt.lr, momentum=opt.momentum, **kernel)
+    if uses_apex(opt, device):
+        return _ApexFusedAdam(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, adam_w_mode=True)
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, **kernel)

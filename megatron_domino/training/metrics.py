@@ -1,0 +1,114 @@
+"""Console lines, metrics.jsonl and TensorBoard scalars, from one rank (the last stage's first rank).
+
+Throughput figures are derived here: tokens/s from the global batch, TFLOP/s per device from
+the analytic FLOP counter, MFU against the device's peak (known GPUs, or log.peak_tflops).
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+
+import torch
+
+# Dense bf16 peak TFLOP/s per device, by a substring of torch.cuda.get_device_name().
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
+
+
+def device_peak_tflops(device: torch.device, configured: float | None) -> float | None:
+    if configured:
+        return configured
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
+def memory_gib(device: torch.device) -> tuple[float, float]:
+    """(in use, peak) in GiB: the CUDA allocator on GPUs, the process's resident set on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**30, torch.cuda.max_memory_allocated(device) / 2**30
+    with open("/proc/self/statm") as f:
+        resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return resident / 2**30, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class Timers:
+    """Wall-clock totals per named region since the last report."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.totals, self._starts = device, {}, {}
+
+    def start(self, name: str) -> None:
+        self._starts[name] = time.perf_counter()
+
+    def stop(self, name: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - self._starts.pop(name)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.totals[name] = self.totals.get(name, 0.0) + seconds
+
+    def report(self) -> dict[str, float]:
+        report, self.totals = {k: round(v * 1000, 2) for k, v in self.totals.items()}, {}
+        return report
+
+
+class MetricsWriter:
+    def __init__(self, log_dir: str, enabled: bool, tensorboard: bool):
+        self.enabled, self.log_dir = enabled, log_dir
+        self._jsonl, self._tensorboard = None, None
+        if not enabled:
+            return
+        os.makedirs(log_dir, exist_ok=True)
+        self._jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tensorboard = SummaryWriter(os.path.join(log_dir, "tensorboard"))
+
+    @property
+    def jsonl_path(self) -> str:
+        return os.path.join(self.log_dir, "metrics.jsonl")
+
+    def write(self, record: dict, console: str | None = None) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tensorboard is not None:
+            prefix = record.get("split", "train")
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self._tensorboard.add_scalar(f"{prefix}/{key}", value, record["step"])
+            self._tensorboard.flush()
+        if console:
+            print(console, flush=True)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+def format_train_line(r: dict, total_steps: int) -> str:
+    parts = [f"step {r['step']}/{total_steps}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.3e}"]
+    if r.get("grad_norm") is not None:
+        parts.append(f"grad norm {r['grad_norm']:.3f}")
+    parts.append(f"skipped {r['skipped_steps']}")
+    if "loss_scale" in r:
+        parts.append(f"loss scale {r['loss_scale']:.0f}")
+    parts += [f"{r['tokens_per_s']:.0f} tok/s", f"{r['tflops_per_device']:.2f} TFLOP/s/dev"]
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    parts += [f"mem {r['mem_gib']:.2f}/{r['mem_peak_gib']:.2f} GiB", f"ETA {_duration(r['eta_s'])}"]
+    if r.get("timers_ms"):
+        parts.append("timers(ms) " + " ".join(f"{k} {v:.1f}" for k, v in r["timers_ms"].items()))
+    return " | ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

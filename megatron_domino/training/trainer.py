@@ -1,0 +1,248 @@
+"""The training loop: pipeline schedule with Domino inside, ZeRO step, LR schedule, metrics, checkpoints.
+
+``run(cfg)`` is what the entry points call once the config is loaded and validated. Every
+rank runs the same loop; only the last stage's first rank writes metrics.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..config.loader import save_config
+from ..data import MicroBatchLoader, build_train_valid_test_datasets
+from ..models.counters import flops_per_token
+from ..optim import LRSchedule
+from ..optim.distributed_optimizer import DistributedOptimizer
+from ..parallel import Topology, init_distributed
+from ..parallel import state as parallel_state
+from ..parallel.random import seed_streams
+from ..pipeline.engine import PipelineEngine
+from ..pipeline.stages import allreduce_sequence_parallel_grads, allreduce_tied_embedding_grads, build_stage_chunks
+from .checkpoint import load_checkpoint, resolve_load_path, save_checkpoint
+from .metrics import MetricsWriter, Timers, device_peak_tflops, format_train_line, memory_gib
+from .signals import PreemptionHandler
+from .watchdog import Watchdog
+
+def param_dtype(train) -> torch.dtype:
+    return torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32
+
+
+class Trainer:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        par, train = cfg.parallel, cfg.train
+        self.device = init_distributed(par.backend, par.timeout_s)
+        topology = Topology(dist.get_world_size(), par.tp, par.pp, par.dp, par.virtual_pp, par.order)
+        self.state = parallel_state.initialize(topology, self.device, par.timeout_s)
+        seed_streams(train.seed, self.state.tp_rank, self.state.pp_rank, self.device)
+        self.dtype = param_dtype(train)
+        self.chunks = build_stage_chunks(cfg, self.state, dtype=self.dtype, device=self.device, init_seed=train.seed)
+        self.optimizer = DistributedOptimizer(self.chunks, cfg.optimizer, dp_group=self.state.dp_group,
+                                              tp_rank=self.state.tp_rank,
+                                              norm_groups=[self.state.tp_group, self.state.pp_group],
+                                              fp16=train.fp16, bf16=train.bf16)
+        self.schedule = LRSchedule.from_config(cfg.optimizer, train.steps)
+        self.num_microbatches = train.global_batch_size // (train.micro_batch_size * self.state.dp_size)
+        self.engine = PipelineEngine(self.chunks, self.state, cfg, device=self.device, dtype=self.dtype,
+                                     num_microbatches=self.num_microbatches,
+                                     on_backward=self.optimizer.set_last_microbatch)
+        self.step, self.phase = 0, "start-up"
+        self.watchdog = Watchdog(self.state, par.timeout_s, self.describe)
+        writer = self.engine.holds_loss and self.state.tp_rank == 0 and self.state.dp_rank == 0
+        self.metrics = MetricsWriter(cfg.log.dir, writer, cfg.log.tensorboard)
+        self.timers = Timers(self.device)
+        self._build_data()
+        if self.state.rank == 0:
+            save_config(cfg, os.path.join(cfg.log.dir, "config.yaml"))
+        self._maybe_load()
+
+    def describe(self) -> str:
+        """What this rank is doing now (the watchdog reports it if it stops changing)."""
+        text = f"step {self.step + 1}: {self.phase}"
+        return f"{text}, pipeline {self.engine.executor.describe()}" if self.phase == "forward-backward" else text
+
+    # ----- data ---------------------------------------------------------------------------------
+    def _reads_data(self) -> bool:
+        data = self.cfg.data
+        return self.engine.needs_tokens or self.engine.holds_loss or data.reset_position_ids or data.reset_attention_mask
+
+    def _build_data(self) -> None:
+        train = self.cfg.train
+        eval_samples = train.eval_iters * train.global_batch_size
+        evaluations = (train.steps // train.eval_interval + 1) if train.eval_interval else 1
+        train_ds, valid_ds, _ = build_train_valid_test_datasets(
+            self.cfg, (train.steps * train.global_batch_size, evaluations * eval_samples, 0),
+            build_on_this_rank=self.state.rank == 0, barrier=dist.barrier)
+        reader = self._reads_data()
+        make = lambda ds: (MicroBatchLoader(ds, train.global_batch_size, train.micro_batch_size,  # noqa: E731
+                                            self.state.dp_rank, self.state.dp_size)
+                           if ds is not None and reader else None)
+        self.train_loader, self.valid_loader = make(train_ds), make(valid_ds)
+        self.has_validation = valid_ds is not None
+        self._consumed = 0
+
+    def _next_microbatches(self, loader) -> list[dict]:
+        if loader is None:  # a middle stage: activations come over p2p
+            return [{} for _ in range(self.num_microbatches)]
+        return [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in loader.next_step()]
+
+    # ----- checkpoints --------------------------------------------------------------------------
+    def _maybe_load(self) -> None:
+        ckpt = self.cfg.checkpoint
+        path = resolve_load_path(ckpt.load, ckpt.dir)
+        if path is None:
+            return
+        metadata = load_checkpoint(path, chunks=self.chunks, optimizer=self.optimizer, schedule=self.schedule,
+                                   cfg=self.cfg, state=self.state)
+        if metadata.get("has_optimizer"):
+            self.step = metadata["step"]
+            self._consumed = metadata["consumed_samples"]
+            for loader in (self.train_loader,):
+                if loader is not None:
+                    loader.load_state_dict({"consumed_samples": self._consumed})
+        self._log_once(f"loaded checkpoint {path} (step {self.step})")
+
+    def save(self) -> None:
+        ckpt = self.cfg.checkpoint
+        if not ckpt.dir:
+            return
+        self.phase = "saving a checkpoint"
+        path = save_checkpoint(ckpt.dir, self.step, chunks=self.chunks, optimizer=self.optimizer,
+                               schedule=self.schedule, consumed_samples=self._consumed, cfg=self.cfg,
+                               state=self.state, keep=ckpt.keep)
+        self._log_once(f"saved checkpoint {path}")
+
+    def _log_once(self, message: str) -> None:
+        if self.state.rank == 0:
+            print(message, flush=True)
+
+    # ----- the loop -----------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        self.phase = "data"
+        self.timers.start("data")
+        microbatches = self._next_microbatches(self.train_loader)
+        self.timers.stop("data")
+        self.optimizer.zero_grad()
+        self.phase = "forward-backward"
+        self.timers.start("forward-backward")
+        loss = self.engine.forward_backward(microbatches, self.optimizer.loss_scale)
+        self.phase = "data-parallel gradient reduction"
+        self.optimizer.finish_grad_sync()
+        self.timers.stop("forward-backward")
+        self.phase = "optimizer step"
+        self.timers.start("optimizer")
+        allreduce_tied_embedding_grads(self.chunks, self.state, self.optimizer.reduced_grad)
+        allreduce_sequence_parallel_grads(self.chunks, self.state, self.optimizer.reduced_grad)
+        lr = self.schedule.lr_at(self.step)
+        _, grad_norm = self.optimizer.step(lr)
+        self.schedule.step()
+        self.timers.stop("optimizer")
+        self.step += 1
+        self._consumed += self.cfg.train.global_batch_size
+        self.phase = "logging"
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm}
+
+    def evaluate(self) -> dict:
+        if not self.has_validation:
+            self._log_once("no validation split (data.split gives it no share): nothing to evaluate")
+            return {}
+        self.phase = "evaluation"
+        total = 0.0
+        iters = self.cfg.train.eval_iters
+        if self.valid_loader is not None:
+            self.valid_loader.load_state_dict({"consumed_samples": 0})
+        for _ in range(iters):
+            total += self.engine.evaluate(self._next_microbatches(self.valid_loader))
+        loss = total / iters
+        record = {"step": self.step, "split": "valid", "loss": loss, "ppl": math.exp(min(loss, 50.0))}
+        self.metrics.write(record, f"validation at step {self.step} | loss {loss:.4f} | ppl {record['ppl']:.2f}")
+        return record
+
+    def _should_exit(self, tokens_seen: int) -> bool:
+        train = self.cfg.train
+        return self.step >= train.steps or (train.tokens is not None and tokens_seen >= train.tokens)
+
+    def train(self) -> None:
+        cfg, train = self.cfg, self.cfg.train
+        preemption = PreemptionHandler()
+        tokens_per_step = train.global_batch_size * cfg.model.seq_length
+        flops_per_step = flops_per_token(cfg.model, cfg.model.seq_length) * tokens_per_step
+        peak = device_peak_tflops(self.device, cfg.log.peak_tflops)
+        start, window_start, window_steps = time.perf_counter(), time.perf_counter(), 0
+        first_step = self.step
+        try:
+            while not self._should_exit(self.step * tokens_per_step):
+                result = self.train_step()
+                window_steps += 1
+                if self.step % cfg.log.interval == 0 or self.step == train.steps:
+                    elapsed = time.perf_counter() - window_start
+                    self._log_step(result, elapsed / window_steps, tokens_per_step, flops_per_step, peak,
+                                   (time.perf_counter() - start) / (self.step - first_step))
+                    window_start, window_steps = time.perf_counter(), 0
+                if train.eval_interval and self.step % train.eval_interval == 0:
+                    self.evaluate()
+                interval = cfg.checkpoint.interval
+                if preemption.should_stop(self.device):
+                    self._log_once(f"preemption signal received: saving at step {self.step} and exiting")
+                    self.save()
+                    return
+                if train.exit_interval and self.step % train.exit_interval == 0:
+                    self.save()
+                    return
+                if interval and self.step % interval == 0 and self.step < train.steps:
+                    self.save()
+            if cfg.checkpoint.save_at_end:
+                self.save()
+        finally:
+            preemption.restore()
+
+    def _log_step(self, result, step_time, tokens_per_step, flops_per_step, peak, mean_step_time) -> None:
+        world = self.state.topology.world_size
+        in_use, peak_mem = memory_gib(self.device)
+        tflops = flops_per_step / step_time / world / 1e12
+        record = {"step": self.step, "loss": result["loss"], "lr": result["lr"], "grad_norm": result["grad_norm"],
+                  "skipped_steps": self.optimizer.skipped_steps, "tokens_per_s": tokens_per_step / step_time,
+                  "tflops_per_device": tflops, "mfu": tflops / peak if peak else None, "mem_gib": in_use,
+                  "mem_peak_gib": peak_mem, "step_time_s": step_time,
+                  "eta_s": mean_step_time * (self.cfg.train.steps - self.step),
+                  "consumed_samples": self._consumed}
+        if self.cfg.train.fp16:
+            record["loss_scale"] = self.optimizer.loss_scale
+        if self.cfg.log.timers:
+            record["timers_ms"] = self.timers.report()
+            record["timers_ms"]["p2p-wait"] = round(self.engine.executor.p2p.take_wait_seconds() * 1000, 2)
+        self.metrics.write({k: v for k, v in record.items() if v is not None},
+                           format_train_line(record, self.cfg.train.steps))
+
+    def report_failure(self) -> None:
+        """One line naming what this rank was doing and which peers went silent (a dead peer's coordinates)."""
+        self.watchdog.close()
+        peers = self.watchdog.describe_silent_peers(wait_s=5 * self.watchdog.interval_s)
+        print(f"[{self.state.coordinates()}] failed while in: {self.describe()}; {peers}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self.watchdog.close()
+        self.metrics.close()
+        parallel_state.destroy()
+
+
+def run(cfg, eval_only: bool = False) -> None:
+    trainer = Trainer(cfg)
+    try:
+        if eval_only:
+            trainer.evaluate()
+        else:
+            trainer.train()
+    except BaseException:
+        trainer.report_failure()
+        raise
+    if trainer.metrics.enabled:
+        print(f"metrics: {trainer.metrics.jsonl_path}"
+              + (f" | tensorboard: {os.path.join(cfg.log.dir, 'tensorboard')}" if cfg.log.tensorboard else ""),
+              flush=True)
+    trainer.close()

@@ -1,0 +1,107 @@
+"""End-to-end training through the entry points: layouts, resume, resharding, preemption, crash safety."""
+import json
+import os
+import signal
+
+import pytest
+
+from tests.training_runs import kill_group, losses, metrics, start, train, wait_for_step, worker_pids
+
+TOL = 1e-5
+LAYOUT_222 = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "parallel.domino=true"]
+
+
+def _assert_close(run, reference, steps, tol=TOL):
+    for step in steps:
+        assert abs(run[step] - reference[step]) <= tol * abs(reference[step]), (step, run[step], reference[step])
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_eight_ranks_match_one_process(tmp_path, family):
+    """20 steps at (1,1,1) as a bare process and at (2,2,2) with Domino under torchrun: same losses."""
+    single, parallel = str(tmp_path / "single"), str(tmp_path / "parallel")
+    train(family, 1, single, ["train.steps=20", "checkpoint.save_at_end=false"])
+    train(family, 8, parallel, ["train.steps=20", "checkpoint.save_at_end=false", *LAYOUT_222])
+    one, eight = losses(single), losses(parallel)
+    assert sorted(one) == list(range(1, 21)) and sorted(eight) == list(range(1, 21))
+    _assert_close(eight, one, range(1, 21))
+    assert one[20] < one[1]
+    norms = {r["step"]: r["grad_norm"] for r in metrics(single)}
+    for record in metrics(parallel):
+        assert abs(record["grad_norm"] - norms[record["step"]]) <= 1e-4 * norms[record["step"]]
+
+
+def test_resume_is_bitwise_and_reshards(tmp_path):
+    """Save at (2,2,2); resume at the same layout (bitwise) and at (1,2,4) and (2,1,4) (within 1e-5)."""
+    base = str(tmp_path / "base")
+    train("gpt", 8, base, ["train.steps=20", "checkpoint.interval=10", "checkpoint.keep=0", *LAYOUT_222])
+    reference = losses(base)
+    step10 = os.path.join(base, "checkpoints", "step_00000010")
+    assert os.path.exists(os.path.join(step10, "metadata.json"))
+    resumed = str(tmp_path / "resumed")
+    train("gpt", 8, resumed, ["train.steps=20", f"checkpoint.load={step10}", "checkpoint.save_at_end=false",
+                              *LAYOUT_222])
+    again = losses(resumed)
+    assert sorted(again) == list(range(11, 21))
+    for step in again:
+        assert again[step] == reference[step], (step, again[step], reference[step])  # bitwise
+    for layout in (["parallel.tp=1", "parallel.pp=2", "parallel.dp=4"],
+                   ["parallel.tp=2", "parallel.pp=1", "parallel.dp=4"]):
+        run = str(tmp_path / "-".join(layout))
+        train("gpt", 8, run, ["train.steps=20", "train.exit_interval=15", f"checkpoint.load={step10}",
+                              "checkpoint.dir=" + run + "/ckpt", *layout])
+        moved = losses(run)
+        assert sorted(moved) == list(range(11, 16))
+        _assert_close(moved, reference, range(11, 16))
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path):
+    run = str(tmp_path / "run")
+    proc = start("gpt", 8, run, ["train.steps=500", *LAYOUT_222], str(tmp_path / "log.txt"))
+    try:
+        wait_for_step(run, 3, proc)
+        for pid in worker_pids(proc.pid):  # as slurm does: every task gets the signal
+            os.kill(pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, open(tmp_path / "log.txt").read()[-4000:]
+    finally:
+        kill_group(proc)
+    with open(os.path.join(run, "checkpoints", "latest")) as f:
+        latest = json.load(f)
+    assert 3 <= latest["step"] < 500
+    resumed = str(tmp_path / "resumed")
+    train("gpt", 1, resumed, [f"checkpoint.load={run}/checkpoints", f"train.steps={latest['step'] + 1}",
+                              "checkpoint.save_at_end=false"])
+    assert sorted(losses(resumed)) == [latest["step"] + 1]
+
+
+def test_killed_rank_while_saving_leaves_latest_whole(tmp_path):
+    run = str(tmp_path / "run")
+    proc = start("gpt", 8, run, ["train.steps=500", "checkpoint.interval=1", "checkpoint.keep=2", *LAYOUT_222],
+                 str(tmp_path / "log.txt"))
+    try:
+        wait_for_step(run, 4, proc)
+        os.kill(worker_pids(proc.pid)[3], signal.SIGKILL)  # saving dominates each step at this size
+        proc.wait(timeout=120)
+    finally:
+        kill_group(proc)
+    root = os.path.join(run, "checkpoints")
+    with open(os.path.join(root, "latest")) as f:
+        latest = json.load(f)
+    whole = os.path.join(root, latest["dir"])
+    assert os.path.exists(os.path.join(whole, "metadata.json"))
+    resumed = str(tmp_path / "resumed")
+    train("gpt", 1, resumed, [f"checkpoint.load={root}", f"train.steps={latest['step'] + 1}",
+                              "checkpoint.save_at_end=false"])
+    assert sorted(losses(resumed)) == [latest["step"] + 1]
+
+
+def test_eval_only_writes_validation_loss(tmp_path):
+    run = str(tmp_path / "run")
+    train("gpt", 1, run, ["train.steps=4", "train.eval_interval=2"])
+    assert [r["step"] for r in metrics(run, "valid")] == [2, 4]
+    evaluation = str(tmp_path / "eval")
+    result = train("gpt", 1, evaluation, ["--eval-only", f"checkpoint.load={run}/checkpoints"])
+    records = metrics(evaluation, "valid")
+    assert len(records) == 1 and records[0]["step"] == 4
+    assert abs(records[0]["loss"] - metrics(run, "valid")[-1]["loss"]) <= 1e-6
+    assert "validation at step 4" in result.stdout

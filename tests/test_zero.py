@@ -1,0 +1,350 @@
+"""Data parallelism with ZeRO-0/1/2 against one process running torch.optim (fp32), on 2 and 4 gloo ranks.
+
+Each DP rank trains on its own slice of a global batch, in two micro-batches, with the loss divided
+by the global token count: the DP sum of the gradients is then the one-process gradient. The
+reference is computed on every rank with no communication.
+
+The model has no linear biases: Adam divides a gradient by its own magnitude, and the attention key
+bias has a gradient that is exactly zero in exact arithmetic (softmax ignores a constant added to
+every key score) but rounding noise in practice. Adam turns that noise into full-size updates that
+depend on the summation order, so no two implementations could agree there.
+
+Relative error is per tensor: ||actual - expected|| / ||expected||.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_domino.config import ModelConfig
+from megatron_domino.config.errors import ConfigError
+from megatron_domino.config.schema import OptimizerConfig
+from megatron_domino.models import LanguageModel, initialize_weights
+from megatron_domino.optim.distributed_optimizer import DistributedOptimizer
+from megatron_domino.optim.grad_buffer import ALIGN, plan_buckets
+from tests.harness import run_ranks
+from tests.test_tensor_parallel import _shard_of
+
+CFG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=16,
+                  vocab_size=200, make_vocab_size_divisible_by=8, bias=False)
+SEED, STEPS, GLOBAL_BATCH, MICRO_BATCHES, LR = 7, 5, 8, 2, 1e-3
+TOKENS = GLOBAL_BATCH * CFG.seq_length
+
+
+def optimizer_config(**overrides) -> OptimizerConfig:
+    """Small buckets (several per model) and a clip threshold below the gradient norm, so both act."""
+    return OptimizerConfig(**{"lr": LR, "clip_grad": 0.5, "bucket_size_mb": 0.01, **overrides})
+
+
+def assert_rel(actual, expected, what, tol):
+    err = ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30)).item()
+    assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e}"
+
+
+def batches(steps: int, seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    shape = (GLOBAL_BATCH, CFG.seq_length)
+    return [(torch.randint(0, CFG.vocab_size, shape, generator=g), torch.randint(0, CFG.vocab_size, shape, generator=g))
+            for _ in range(steps)]
+
+
+def new_model(tp_group=None, tp_rank=0, tp=1, dtype=torch.float32, seed=SEED, sequence_parallel=False):
+    model = LanguageModel(CFG, tp_group, sequence_parallel=sequence_parallel, dtype=dtype)
+    initialize_weights(model, seed, tp_rank, tp)
+    return model
+
+
+def loss_of(model, tokens, labels):
+    return model(None, {"tokens": tokens, "labels": labels}).sum() / TOKENS
+
+
+def reference_optimizer(params, opt: OptimizerConfig) -> torch.optim.Optimizer:
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": opt.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    if opt.name == "sgd":
+        return torch.optim.SGD(groups, lr=LR, momentum=opt.momentum)
+    return torch.optim.AdamW(groups, lr=LR, betas=(opt.beta1, opt.beta2), eps=opt.eps)
+
+
+def reference(data, opt: OptimizerConfig):
+    """One process, the whole global batch, torch.optim with decay on >= 2-D parameters only."""
+    model = new_model()
+    params = list(model.parameters())
+    optimizer = reference_optimizer(params, opt)
+    norms = []
+    for tokens, labels in data:
+        optimizer.zero_grad()
+        loss_of(model, tokens, labels).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(params, opt.clip_grad).item())
+        optimizer.step()
+    return {name: p.detach() for name, p in model.named_global_parameters()}, norms
+
+
+def backward_step(model, dopt, tokens, labels, dp_rank, dp) -> torch.Tensor:
+    """This rank's rows of the global batch, in micro-batches; returns this rank's share of the loss."""
+    rows = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
+    dopt.zero_grad()
+    total = torch.zeros(())
+    micro = list(zip(tokens[rows].chunk(MICRO_BATCHES), labels[rows].chunk(MICRO_BATCHES)))
+    for index, (t, l) in enumerate(micro):
+        dopt.set_last_microbatch(index == len(micro) - 1)
+        loss = loss_of(model, t, l)
+        (loss * dopt.loss_scale).backward()
+        total += loss.detach()
+    dopt.finish_grad_sync()
+    return total
+
+
+# ----- checks run inside the ranks --------------------------------------------------------------------
+def check_parity(group, dp_rank, dp, data, ref, opt: OptimizerConfig, tol=1e-6):
+    model = new_model()
+    dopt = DistributedOptimizer([model], opt, dp_group=group, tp_rank=0, norm_groups=[])
+    norms = []
+    for tokens, labels in data:
+        backward_step(model, dopt, tokens, labels, dp_rank, dp)
+        stepped, norm = dopt.step(LR)
+        assert stepped
+        norms.append(norm)
+    what = f"dp={dp} zero={opt.zero_stage} {opt.name} overlap={opt.overlap_grad_reduce}"
+    ref_params, ref_norms = ref
+    for name, param in model.named_global_parameters():
+        assert_rel(param.detach(), ref_params[name], f"{what} {name}", tol)
+    for step, (norm, expected) in enumerate(zip(norms, ref_norms)):
+        assert abs(norm - expected) <= tol * expected, f"{what} step {step}: grad norm {norm} != {expected}"
+
+
+def check_accumulation_and_overlap(group, dp_rank, dp, data, stage):
+    """Nothing is reduced on the first micro-batch; on the last, buckets launch while backward still runs."""
+    model, plain = new_model(), new_model()  # plain: no hooks, so its .grad is the local unreduced gradient
+    dopt = DistributedOptimizer([model], optimizer_config(zero_stage=stage), dp_group=group, tp_rank=0,
+                                norm_groups=[])
+    buckets = sum(len(buffer.buckets) for buffer in dopt.buffers)
+    assert buckets >= 3, "the test needs several buckets"
+    launched_when_input_reached = []
+    model.embedding.position_embeddings.weight.register_hook(  # the first layer: backward reaches it last
+        lambda grad: launched_when_input_reached.append(dopt.reductions_launched))
+    tokens, labels = data[0]
+    rows = slice(dp_rank * GLOBAL_BATCH // dp, (dp_rank + 1) * GLOBAL_BATCH // dp)
+    (t0, t1), (l0, l1) = tokens[rows].chunk(2), labels[rows].chunk(2)
+    dopt.zero_grad()
+    dopt.set_last_microbatch(False)
+    loss_of(model, t0, l0).backward()
+    loss_of(plain, t0, l0).backward()
+    assert dopt.reductions_launched == 0
+    plain_params = dict(plain.named_global_parameters())
+    for name, param in model.named_global_parameters():
+        assert param.grad is None
+        assert torch.equal(param.main_grad, plain_params[name].grad), f"{name}: main_grad was reduced early"
+    dopt.set_last_microbatch(True)
+    loss_of(model, t1, l1).backward()
+    assert 0 < launched_when_input_reached[-1] < buckets, launched_when_input_reached
+    assert dopt.reductions_launched == buckets
+    dopt.finish_grad_sync()
+    assert dopt.reductions_launched == buckets
+
+
+def check_fp16_overflow(group, dp_rank, dp, data):
+    """An inf in one rank's shard skips the step on every rank, backs the scale off, and changes nothing else."""
+    model = new_model(dtype=torch.float16)
+    opt = optimizer_config(zero_stage=1, hysteresis=1, initial_loss_scale=2.0**12)
+    dopt = DistributedOptimizer([model], opt, dp_group=group, tp_rank=0, norm_groups=[], fp16=True)
+    backward_step(model, dopt, *data[0], dp_rank, dp)
+    assert dopt.step(LR)[0]
+    weights = {name: p.detach().clone() for name, p in model.named_global_parameters()}
+    state = dopt.state_dict_for_checkpoint()
+    backward_step(model, dopt, *data[1], dp_rank, dp)
+    if dp_rank == dp - 1:
+        owned = next(dopt.reduced_grad(p) for p in model.parameters() if dopt.reduced_grad(p).numel())
+        owned[0] = float("inf")
+    assert dopt.step(LR) == (False, None)
+    assert dopt.skipped_steps == 1 and dopt.loss_scale == 2.0**11
+    for name, param in model.named_global_parameters():
+        assert torch.equal(param, weights[name]), f"{name} changed in a skipped step"
+    after = dopt.state_dict_for_checkpoint()
+    if dp_rank == 0:
+        assert after["step"] == state["step"] == 1
+        for name, entry in state["params"].items():
+            for key, value in entry.items():
+                assert torch.equal(after["params"][name][key], value), f"{name}/{key} changed in a skipped step"
+    backward_step(model, dopt, *data[2], dp_rank, dp)
+    assert dopt.step(LR)[0] and dopt.skipped_steps == 1
+
+
+def check_bf16_and_memory(group, dp_rank, dp, data) -> dict:
+    """bf16 weights with fp32 masters learn; master + Adam state per weight is 12/d bytes (ZeRO-1/2)."""
+    measured = {}
+    for stage, fp32_grads in ((1, True), (2, True), (1, False)):
+        model = new_model(dtype=torch.bfloat16)
+        opt = optimizer_config(zero_stage=stage, bucket_size_mb=25.0, accumulate_grads_in_fp32=fp32_grads)
+        dopt = DistributedOptimizer([model], opt, dp_group=group, tp_rank=0, norm_groups=[], bf16=True)
+        what = f"zero={stage} bf16 grads in {'fp32' if fp32_grads else 'bf16'}"
+        losses = []
+        for _ in range(8):
+            loss = backward_step(model, dopt, *data[0], dp_rank, dp)
+            dist.all_reduce(loss, group=group)
+            losses.append(loss.item())
+            assert dopt.step(1e-2)[0]
+        assert losses[-1] < 0.8 * losses[0], f"{what} did not learn: {losses}"
+        report = dopt.memory_report()
+        per_weight = (report["master_bytes"] + report["optimizer_state_bytes"]) / report["params"]
+        assert per_weight <= 12 / dp * 1.05, (what, report)
+        grad_per_weight = report["grad_bytes"] / report["params"]
+        grad_size = 4 if fp32_grads else 2
+        if stage == 2:  # between steps only the reduced shard remains
+            assert grad_per_weight <= grad_size / dp * 1.05, (what, report)
+            assert all(p.main_grad is None for p in model.parameters())
+        else:
+            assert grad_per_weight >= grad_size, (what, report)
+        measured[what] = (round(per_weight, 3), round(grad_per_weight, 3))
+    return measured
+
+
+def check_tensor_and_data_parallel(rank, data, ref_adamw):
+    """tp = 2 x dp = 2 with sequence parallelism: TP-duplicated weights stay identical, norms count once."""
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp_rank, dp_rank = rank % 2, rank // 2
+    tp_group, dp_group = tp_groups[dp_rank], dp_groups[tp_rank]
+    ref_params, ref_norms = ref_adamw
+    for stage in (1, 2):
+        model = new_model(tp_group, tp_rank, 2, sequence_parallel=True)
+        dopt = DistributedOptimizer([model], optimizer_config(zero_stage=stage), dp_group=dp_group,
+                                    tp_rank=tp_rank, norm_groups=[tp_group])
+        for step, (tokens, labels) in enumerate(data):
+            backward_step(model, dopt, tokens, labels, dp_rank, 2)
+            for param in model.parameters():  # the lead's sequence-parallel reduction, on the reduced shard
+                if getattr(param, "sequence_parallel", False):
+                    dist.all_reduce(dopt.reduced_grad(param), group=tp_group)
+            norm = dopt.step(LR)[1]
+            assert abs(norm - ref_norms[step]) <= 1e-5 * ref_norms[step], (stage, step, norm, ref_norms[step])
+        for name, param in model.named_global_parameters():
+            expected = _shard_of(ref_params[name], param, tp_rank, 2)
+            assert_rel(param.detach(), expected, f"tp2 dp2 zero={stage} {name}", 1e-5)
+            if getattr(param, "shard_spec", None) is None:
+                copies = [torch.empty_like(param) for _ in range(2)]
+                dist.all_gather(copies, param.detach(), group=tp_group)
+                assert torch.equal(copies[0], copies[1]), f"{name} differs across TP ranks"
+
+
+def check_checkpoint_reshard(rank, data):
+    """Saved at dp = 2 (ZeRO-1), loaded at dp = 4 (ZeRO-2): same state, same next step."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    everyone = dist.new_group([0, 1, 2, 3])
+    small = new_model()
+    small_opt = DistributedOptimizer([small], optimizer_config(zero_stage=1), dp_group=pairs[rank // 2],
+                                     tp_rank=0, norm_groups=[])
+    for tokens, labels in data[:2]:
+        backward_step(small, small_opt, tokens, labels, rank % 2, 2)
+        small_opt.step(LR)
+    saved = small_opt.state_dict_for_checkpoint()
+    assert (saved is None) == (rank % 2 == 1)
+    box = [saved]
+    dist.broadcast_object_list(box, src=0)
+    saved = box[0]
+    big = new_model(seed=SEED + 1)
+    big_opt = DistributedOptimizer([big], optimizer_config(zero_stage=2), dp_group=everyone, tp_rank=0,
+                                   norm_groups=[])
+    big_opt.load_state_dict_from_checkpoint(saved)
+    resaved = big_opt.state_dict_for_checkpoint()
+    if rank == 0:
+        assert resaved["step"] == saved["step"] == 2 and resaved["scaler"] == saved["scaler"]
+        for name, entry in saved["params"].items():
+            assert set(entry) == {"master", "exp_avg", "exp_avg_sq"}
+            for key, value in entry.items():
+                assert torch.equal(resaved["params"][name][key], value), f"{name}/{key} after the round trip"
+    backward_step(small, small_opt, *data[2], rank % 2, 2)
+    small_opt.step(LR)
+    backward_step(big, big_opt, *data[2], rank, 4)
+    big_opt.step(LR)
+    small_params = dict(small.named_global_parameters())
+    for name, param in big.named_global_parameters():
+        assert_rel(param.detach(), small_params[name].detach(), f"resumed at dp=4: {name}", 1e-6)
+
+
+def _dp_checks(rank, world):
+    group = dist.new_group(list(range(world)))
+    data = batches(STEPS)
+    adamw = reference(data, optimizer_config())
+    for stage in (0, 1, 2):
+        check_parity(group, rank, world, data, adamw, optimizer_config(zero_stage=stage))
+    check_accumulation_and_overlap(group, rank, world, data, stage=2)
+    measured = check_bf16_and_memory(group, rank, world, data)
+    if world == 2:
+        check_parity(group, rank, world, data, adamw, optimizer_config(zero_stage=1, overlap_grad_reduce=False))
+        sgd = optimizer_config(name="sgd", zero_stage=1)
+        check_parity(group, rank, world, data, reference(data, sgd), sgd)
+        check_fp16_overflow(group, rank, world, data)
+    else:
+        check_tensor_and_data_parallel(rank, data, adamw)
+        check_checkpoint_reshard(rank, data)
+    return measured
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_data_parallel_matches_one_process(dp):
+    measured = run_ranks(_dp_checks, dp, timeout=240)
+    for what, (state_bytes, grad_bytes) in measured[0].items():
+        print(f"dp={dp} {what}: master+optimizer state {state_bytes} B/weight (bound {12 / dp * 1.05:.3f}), "
+              f"gradients between steps {grad_bytes} B/weight")
+
+
+# ----- single-process checks ----------------------------------------------------------------------------
+def test_bucket_layout_is_aligned_and_embeddings_sit_alone():
+    params = [torch.empty(n) for n in (300, 5000, 70, 4000, 10, 2000)]
+    embedding = params[3]
+    for shards in (1, 2, 4):
+        layouts = plan_buckets(params, 3000, shards, alone=lambda p: p is embedding)
+        assert [id(p) for layout in layouts for p in layout.params] == [id(p) for p in params]
+        for layout in layouts:
+            assert layout.size % (shards * ALIGN) == 0
+            assert layout.offsets == [sum(p.numel() for p in layout.params[:i]) for i in range(len(layout.params))]
+            assert layout.size >= sum(p.numel() for p in layout.params)
+        alone = [layout for layout in layouts if any(p is embedding for p in layout.params)]
+        assert len(alone) == 1 and alone[0].params[0] is embedding and alone[0].offsets == [0]
+        # the embedding's bucket does not depend on its neighbours (first vs last pipeline stage)
+        other = plan_buckets([torch.empty(7), embedding], 3000, shards, alone=lambda p: p is embedding)
+        assert other[-1].params[0] is embedding and other[-1].offsets == [0] and other[-1].size == alone[0].size
+
+
+def test_second_gradient_after_bucket_ready_is_an_error():
+    model = new_model()
+    dopt = DistributedOptimizer([model], optimizer_config(zero_stage=0), dp_group=None, tp_rank=0, norm_groups=[])
+    tokens, labels = batches(1)[0]
+    dopt.zero_grad()
+    dopt.set_last_microbatch(True)
+    loss_of(model, tokens[:1], labels[:1]).backward()
+    with pytest.raises(RuntimeError, match="second gradient"):
+        loss_of(model, tokens[:1], labels[:1]).backward()
+
+
+def test_invalid_zero_stage_is_a_config_error():
+    with pytest.raises(ConfigError, match="optimizer.zero_stage"):
+        DistributedOptimizer([new_model()], optimizer_config(zero_stage=3), dp_group=None, tp_rank=0, norm_groups=[])
+
+
+def test_two_model_chunks_step_like_one_model():
+    """Virtual pipeline stages on one rank: one buffer per chunk, one optimizer over both."""
+    cfg = ModelConfig(**{**CFG.__dict__, "tie_embeddings": False})
+    chunks = [LanguageModel(cfg, layer_ids=[0], post_process=False),
+              LanguageModel(cfg, layer_ids=[1], pre_process=False)]
+    whole = LanguageModel(cfg)
+    for model in chunks + [whole]:
+        initialize_weights(model, SEED)
+    opt = optimizer_config(zero_stage=0)
+    dopt = DistributedOptimizer(chunks, opt, dp_group=None, tp_rank=0, norm_groups=[])
+    assert len(dopt.buffers) == 2
+    params = list(whole.parameters())
+    reference_opt = reference_optimizer(params, opt)
+    for tokens, labels in batches(3):
+        batch = {"tokens": tokens, "labels": labels}
+        dopt.zero_grad()
+        (chunks[1](chunks[0](None, batch), batch).sum() / TOKENS).backward()
+        dopt.finish_grad_sync()
+        norm = dopt.step(LR)[1]
+        reference_opt.zero_grad()
+        (whole(None, batch).sum() / TOKENS).backward()
+        assert abs(norm - torch.nn.utils.clip_grad_norm_(params, opt.clip_grad).item()) <= 1e-6 * norm
+        reference_opt.step()
+    expected = dict(whole.named_global_parameters())
+    for chunk in chunks:
+        for name, param in chunk.named_global_parameters():
+            assert_rel(param.detach(), expected[name].detach(), f"chunked {name}", 1e-6)
