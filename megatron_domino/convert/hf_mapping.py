@@ -66,7 +66,7 @@ def native_layer_to_gpt2(native: dict, i: int, cfg) -> dict:
 
 def llama_layer_to_native(hf: dict, i: int, cfg) -> dict:
     p, n = f"model.layers.{i}.", f"layers.{i}."
-    return {
+    out = {
         n + "input_norm.weight": hf[p + "input_layernorm.weight"],
         n + "attention.qkv.weight": _grouped_qkv(hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"],
                                                  hf[p + "self_attn.v_proj.weight"], cfg.query_groups),
@@ -75,6 +75,15 @@ def llama_layer_to_native(hf: dict, i: int, cfg) -> dict:
         n + "mlp.fc1.weight": torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]),
         n + "mlp.fc2.weight": hf[p + "mlp.down_proj.weight"],
     }
+    if cfg.bias:  # attention_bias and mlp_bias: q/k/v/o and gate/up/down biases
+        out.update({
+            n + "attention.qkv.bias": _grouped_qkv(hf[p + "self_attn.q_proj.bias"], hf[p + "self_attn.k_proj.bias"],
+                                                   hf[p + "self_attn.v_proj.bias"], cfg.query_groups),
+            n + "attention.proj.bias": hf[p + "self_attn.o_proj.bias"],
+            n + "mlp.fc1.bias": torch.cat([hf[p + "mlp.gate_proj.bias"], hf[p + "mlp.up_proj.bias"]]),
+            n + "mlp.fc2.bias": hf[p + "mlp.down_proj.bias"],
+        })
+    return out
 
 
 def native_layer_to_llama(native: dict, i: int, cfg) -> dict:
@@ -82,7 +91,7 @@ def native_layer_to_llama(native: dict, i: int, cfg) -> dict:
     q, k, v = _split_grouped_qkv(native[n + "attention.qkv.weight"], cfg.num_attention_heads, cfg.query_groups,
                                  cfg.head_dim)
     gate, up = native[n + "mlp.fc1.weight"].chunk(2, dim=0)
-    return {
+    out = {
         p + "input_layernorm.weight": native[n + "input_norm.weight"],
         p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
         p + "self_attn.o_proj.weight": native[n + "attention.proj.weight"],
@@ -90,6 +99,15 @@ def native_layer_to_llama(native: dict, i: int, cfg) -> dict:
         p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
         p + "mlp.down_proj.weight": native[n + "mlp.fc2.weight"],
     }
+    if cfg.bias:
+        qb, kb, vb = _split_grouped_qkv(native[n + "attention.qkv.bias"], cfg.num_attention_heads, cfg.query_groups,
+                                        cfg.head_dim)
+        gate_b, up_b = native[n + "mlp.fc1.bias"].chunk(2, dim=0)
+        out.update({p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb, p + "self_attn.v_proj.bias": vb,
+                    p + "self_attn.o_proj.bias": native[n + "attention.proj.bias"],
+                    p + "mlp.gate_proj.bias": gate_b, p + "mlp.up_proj.bias": up_b,
+                    p + "mlp.down_proj.bias": native[n + "mlp.fc2.bias"]})
+    return out
 
 
 # Non-layer tensors: native name -> HF name.
@@ -98,6 +116,7 @@ GPT2_GLOBALS = {
     "embedding.position_embeddings.weight": "transformer.wpe.weight",
     "final_norm.weight": "transformer.ln_f.weight",
     "final_norm.bias": "transformer.ln_f.bias",
+    "output_layer.weight": "lm_head.weight",
 }
 LLAMA_GLOBALS = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
@@ -107,22 +126,56 @@ LLAMA_GLOBALS = {
 LAYER_TO_NATIVE = {"gpt2": gpt2_layer_to_native, "llama": llama_layer_to_native}
 LAYER_TO_HF = {"gpt2": native_layer_to_gpt2, "llama": native_layer_to_llama}
 GLOBALS = {"gpt2": GPT2_GLOBALS, "llama": LLAMA_GLOBALS}
+# Conversion groups, in model order: the embedding ("pre"), each layer index, then norm and head ("post").
+PRE, POST = "pre", "post"
+
+
+def groups(cfg) -> list:
+    """Every conversion group of a model: converting one group needs only that group's tensors."""
+    return [PRE, *range(cfg.num_layers), POST]
+
+
+def group_of(native_name: str):
+    """The group holding a native tensor (a layer index, PRE or POST)."""
+    if native_name.startswith("layers."):
+        return int(native_name.split(".", 2)[1])
+    return PRE if native_name.startswith("embedding.") else POST
+
+
+def _global_names(cfg, model_type: str, group) -> dict:
+    """native -> HF names of a non-layer group's tensors; a tied model has no output_layer of its own."""
+    return {ours: theirs for ours, theirs in GLOBALS[model_type].items()
+            if group_of(ours) == group and not (cfg.tie_embeddings and ours == "output_layer.weight")}
+
+
+def hf_group_to_native(hf, group, cfg, model_type: str) -> dict:
+    """One group of an HF state dict (any mapping name -> tensor) -> native names."""
+    if group in (PRE, POST):
+        return {ours: hf[theirs] for ours, theirs in _global_names(cfg, model_type, group).items() if theirs in hf}
+    return LAYER_TO_NATIVE[model_type](hf, group, cfg)
+
+
+def native_group_to_hf(native, group, cfg, model_type: str) -> dict:
+    """One group of a native state dict -> HF names (a tied head is not listed: HF files omit it)."""
+    if group in (PRE, POST):
+        return {theirs: native[ours] for ours, theirs in _global_names(cfg, model_type, group).items()
+                if ours in native}
+    return LAYER_TO_HF[model_type](native, group, cfg)
 
 
 def hf_to_native(hf: dict, cfg, model_type: str) -> dict:
     """Whole HF state dict -> native full-size state dict (global names)."""
-    native = {ours: hf[theirs] for ours, theirs in GLOBALS[model_type].items() if theirs in hf}
-    if model_type == "llama" and cfg.tie_embeddings:
-        native.pop("output_layer.weight", None)
-    for i in range(cfg.num_layers):
-        native.update(LAYER_TO_NATIVE[model_type](hf, i, cfg))
+    native = {}
+    for group in groups(cfg):
+        native.update(hf_group_to_native(hf, group, cfg, model_type))
     return native
 
 
 def native_to_hf(native: dict, cfg, model_type: str) -> dict:
-    hf = {theirs: native[ours] for ours, theirs in GLOBALS[model_type].items() if ours in native}
-    if cfg.tie_embeddings:  # HF state dicts list the tied head under its own name
+    """Whole native state dict -> HF state dict; a tied head is listed under its own name, as HF state dicts do."""
+    hf = {}
+    for group in groups(cfg):
+        hf.update(native_group_to_hf(native, group, cfg, model_type))
+    if cfg.tie_embeddings:
         hf["lm_head.weight"] = native["embedding.word_embeddings.weight"]
-    for i in range(cfg.num_layers):
-        hf.update(LAYER_TO_HF[model_type](native, i, cfg))
     return hf

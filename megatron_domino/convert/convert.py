@@ -1,0 +1,276 @@
+"""The three offline conversions: HF -> native, native -> HF, and native -> native at another layout.
+
+Each works in two passes over conversion groups (the embedding, each layer, the final norm and head):
+first on shape-only "meta" tensors, which fixes every output file's contents and header; then on the
+real tensors, one group at a time, each tensor written to its file and dropped. Peak memory is one
+layer, so a 70B model converts on a machine that could not hold it once, let alone twice.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import replace
+
+from ..config import config_to_dict, save_config
+from .hf_config import (
+    detect_model_type,
+    hf_config_from_model,
+    model_config_from_hf,
+    model_type_of,
+    read_hf_config,
+    run_config,
+)
+from .hf_io import (
+    INDEX_FILE,
+    SafetensorsWriter,
+    nbytes,
+    open_hf_checkpoint,
+    parse_size,
+    plan_shards,
+    shard_names,
+    write_hf_index,
+)
+from .hf_mapping import group_of, groups, hf_group_to_native, native_group_to_hf
+from .native_io import (
+    check_layout,
+    file_of,
+    finish_step_dir,
+    layout,
+    model_only_metadata,
+    native_tensors,
+    open_native,
+    stage_files,
+    start_step_dir,
+)
+
+# Stored tensors no HF model parameter corresponds to (attention-mask and RoPE buffers of older files).
+_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                    "vocab.json", "merges.txt", "generation_config.json")
+
+
+class Progress:
+    """'label: tensors done/total, MB done/total, MB/s' on stderr: in place on a terminal, every 30 s in a log."""
+
+    def __init__(self, tensors: int, total_bytes: int, label: str, stream=None, quiet: bool = False):
+        self.stream, self.quiet = (stream if stream is not None else sys.stderr), quiet
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.interval = 0.5 if self.tty else 30.0
+        self.total, self.total_bytes, self.label = tensors, total_bytes, label
+        self.done = self.bytes = 0
+        self.start = self._last = time.monotonic()
+
+    def update(self, nbytes_done: int) -> None:
+        self.done += 1
+        self.bytes += nbytes_done
+        if time.monotonic() - self._last >= self.interval:
+            self._last = time.monotonic()
+            self._print("\r" if self.tty else "\n")
+
+    def close(self) -> None:
+        self._print("\n")
+
+    def _print(self, end: str) -> None:
+        if self.quiet:
+            return
+        rate = self.bytes / max(1e-9, time.monotonic() - self.start) / 1e6
+        print(f"{self.label}: {self.done}/{self.total} tensors, {self.bytes / 1e6:,.1f}/{self.total_bytes / 1e6:,.1f} "
+              f"MB, {rate:,.0f} MB/s", end=end, file=self.stream, flush=True)
+
+
+def _plan(group_list, produce) -> dict:
+    """name -> (dtype, shape) of every output tensor, in the order they will be produced."""
+    specs = {}
+    for group in group_list:
+        specs.update({name: (t.dtype, tuple(t.shape)) for name, t in produce(group, True).items()})
+    return specs
+
+
+def _write(group_list, produce, specs: dict, file_for: dict, out_dir: str, label: str, quiet: bool,
+           metadata: dict | None = None) -> None:
+    """Produce the real tensors group by group; each goes straight into its planned file."""
+    per_file: dict[str, dict] = {}
+    for name, spec in specs.items():
+        per_file.setdefault(file_for[name], {})[name] = spec
+    progress = Progress(len(specs), sum(nbytes(*s) for s in specs.values()), label, quiet=quiet)
+    writers = {}
+    try:
+        for group in group_list:
+            for name, tensor in produce(group, False).items():
+                file = file_for[name]
+                if file not in writers:
+                    writers[file] = SafetensorsWriter(os.path.join(out_dir, file), per_file[file], metadata)
+                writers[file].write(name, tensor)
+                progress.update(tensor.nbytes)
+                if writers[file].done:
+                    writers[file].close()
+        unwritten = [f for f, w in writers.items() if not w.done] + [f for f in per_file if f not in writers]
+        if unwritten:
+            raise RuntimeError(f"files left incomplete: {unwritten} (a bug in the conversion plan)")
+    finally:
+        progress.close()
+
+
+def hf_to_native(input_dir: str, output: str, *, tp: int = 1, pp: int = 1, model: str | None = None,
+                 seq_length: int | None = None, quiet: bool = False) -> str:
+    """HF directory -> native checkpoint root ``output`` (step 0, weights only) plus ``output/config.yaml``."""
+    hf_cfg = read_hf_config(input_dir)
+    model_type = detect_model_type(hf_cfg, model)
+    model_cfg = model_config_from_hf(hf_cfg, model_type)
+    if seq_length is not None:
+        model_cfg = replace(model_cfg, seq_length=seq_length)
+    source = open_hf_checkpoint(input_dir, model_type)
+    produce = lambda group, meta: hf_group_to_native(source.view(meta), group, model_cfg, model_type)  # noqa: E731
+    group_list = groups(model_cfg)
+    specs = _plan(group_list, produce)
+    dtype_name = _dtype_name(specs["embedding.word_embeddings.weight"][0])
+    cfg = run_config(model_cfg, hf_dir=input_dir, output=output, tp=tp, pp=pp, dtype_name=dtype_name)
+    check_layout(cfg)
+    files = stage_files(cfg, "model")
+    tmp = start_step_dir(output, 0)
+    _write(group_list, produce, specs, {n: file_of(n, files) for n in specs}, tmp, "hf-to-native", quiet)
+    _warn_unread(source, model_cfg)
+    finish_step_dir(output, tmp, model_only_metadata(cfg))
+    _write_run_config(cfg, os.path.join(os.path.abspath(output), "config.yaml"), input_dir, model_type)
+    return output
+
+
+def _warn_unread(source, model_cfg) -> None:
+    unread = [n for n in source.keys() if n not in source.read and not n.endswith(_BUFFER_SUFFIXES)
+              and not (model_cfg.tie_embeddings and n == "lm_head.weight")]
+    if unread:
+        print(f"warning: {len(unread)} HF tensors were not converted, e.g. {unread[:3]}", file=sys.stderr)
+
+
+def _write_run_config(cfg, path: str, input_dir: str, model_type: str) -> None:
+    save_config(cfg, path)
+    script = "pretrain_gpt.py" if model_type == "gpt2" else "pretrain_llama.py"
+    lines = [f"# Converted from the HF {model_type} model in {os.path.abspath(input_dir)} by "
+             "tools/convert_checkpoint.py.",
+             f"# Fine-tune: torchrun --nproc-per-node {cfg.parallel.tp * cfg.parallel.pp} {script} --config {path} "
+             "data.path=[PREFIX]",
+             "# Evaluate: the same with --eval-only. checkpoint.load starts from the converted weights; to resume",
+             "# this run from its own checkpoints (in checkpoint.dir) instead, pass checkpoint.load=auto."]
+    if cfg.tokenizer.type == "NullTokenizer":
+        lines.append("# tokenizer: the HF directory has no tokenizer files; set tokenizer.type and tokenizer.model "
+                     "to the tokenizer the data was made with.")
+    with open(path, encoding="utf-8") as f:
+        body = f.read()
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n" + body)
+    os.replace(path + ".tmp", path)
+
+
+def native_to_hf(input_path: str, output_dir: str, *, max_shard_size="5GB", dtype=None, quiet: bool = False) -> str:
+    """Native checkpoint (root or step directory) -> HF directory with config.json and safetensors weights.
+
+    ``dtype`` (a torch dtype) casts the weights; by default they keep the checkpoint's dtype, so an
+    HF -> native -> HF round trip is bit-exact.
+    """
+    step_dir, _, cfg = open_native(input_path)
+    model_cfg = cfg.model
+    model_type = model_type_of(model_cfg)
+    source = native_tensors(step_dir, "model")
+    if source is None:
+        raise FileNotFoundError(f"{step_dir}: no model-*.safetensors files. Fix: point --input at a complete "
+                                f"checkpoint")
+
+    def produce(group, meta):
+        out = native_group_to_hf(source.view(meta), group, model_cfg, model_type)
+        return out if dtype is None else {k: v.to(dtype) for k, v in out.items()}
+
+    group_list = groups(model_cfg)
+    specs = _plan(group_list, produce)
+    shards = plan_shards(specs, parse_size(max_shard_size))
+    names = shard_names(len(shards))
+    file_for = {name: file for file, shard in zip(names, shards) for name in shard}
+    _prepare_hf_dir(output_dir, step_dir)
+    _write(group_list, produce, specs, file_for, output_dir, "native-to-hf", quiet, metadata={"format": "pt"})
+    if len(shards) > 1:
+        write_hf_index(output_dir, file_for, sum(nbytes(*s) for s in specs.values()))
+    config = hf_config_from_model(model_cfg, _dtype_name(next(iter(specs.values()))[0]))
+    _write_json(os.path.join(output_dir, "config.json"), config)
+    _copy_tokenizer(cfg, output_dir)
+    return output_dir
+
+
+def _prepare_hf_dir(output_dir: str, step_dir: str) -> None:
+    """Create the directory and remove weights of an earlier export, so no stale shard is left beside new ones."""
+    if os.path.realpath(output_dir) == os.path.realpath(step_dir):
+        raise ValueError(f"--output {output_dir!r} is the checkpoint itself. Fix: give a new directory")
+    os.makedirs(output_dir, exist_ok=True)
+    for name in os.listdir(output_dir):
+        if name == INDEX_FILE or (name.startswith("model") and name.endswith(".safetensors")):
+            os.remove(os.path.join(output_dir, name))
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _write_json(path: str, payload: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2)
+        f.write("\n")
+
+
+def _copy_tokenizer(cfg, output_dir: str) -> None:
+    """Ship the run's HF tokenizer with the export, so the directory is a complete HF model."""
+    source = cfg.tokenizer.model
+    if cfg.tokenizer.type != "HuggingFaceTokenizer" or not source or not os.path.isdir(source):
+        return
+    for name in _TOKENIZER_FILES:
+        if os.path.exists(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(output_dir, name))
+
+
+def reshard(input_path: str, output: str, *, tp: int, pp: int, virtual_pp: int = 1, quiet: bool = False) -> str:
+    """Native checkpoint -> native checkpoint root ``output`` laid out for (tp, pp): model and optimizer files
+    regrouped by the new pipeline partition, metadata and config updated. Tensors are copied bit for bit."""
+    step_dir, metadata, cfg = open_native(input_path)
+    par = cfg.parallel
+    stages = pp * virtual_pp
+    keep_layout = par.pipeline_layout is not None and len(par.pipeline_layout) == stages
+    cfg = replace(cfg, parallel=replace(par, tp=tp, pp=pp, dp=None, virtual_pp=virtual_pp,
+                                        pipeline_layout=par.pipeline_layout if keep_layout else None))
+    check_layout(cfg)
+    if os.path.realpath(output) in (os.path.realpath(step_dir), os.path.realpath(os.path.dirname(step_dir))):
+        raise ValueError(f"--output {output!r} would overwrite the input. Fix: give a new directory")
+    tmp = start_step_dir(output, metadata["step"])
+    for prefix in ("model", "optim"):
+        source = native_tensors(step_dir, prefix)
+        if source is None:
+            continue
+        produce = _copier(source, _names_by_group(source.keys(), cfg.model))
+        group_list = groups(cfg.model)
+        specs = _plan(group_list, produce)
+        files = stage_files(cfg, prefix)
+        _write(group_list, produce, specs, {n: file_of(n, files) for n in specs}, tmp, f"reshard {prefix}", quiet)
+    old_layout = metadata.get("layout") or {}
+    metadata = {**metadata, "config": config_to_dict(cfg),
+                "layout": {**layout(cfg), "zero_stage": old_layout.get("zero_stage")}}
+    finish_step_dir(output, tmp, metadata)
+    return output
+
+
+def _copier(source, by_group: dict):
+    """produce(group, meta) for a plain copy: the group's stored tensors under their own names."""
+    def produce(group, meta):
+        view = source.view(meta)
+        return {name: view[name] for name in by_group.get(group, [])}
+    return produce
+
+
+def _names_by_group(names, model_cfg) -> dict:
+    by_group: dict = {}
+    for name in sorted(names):
+        by_group.setdefault(group_of(name.split("/", 1)[0]), []).append(name)
+    known = set(groups(model_cfg))
+    stray = [n for g, ns in by_group.items() if g not in known for n in ns]
+    if stray:
+        raise ValueError(f"checkpoint tensors {stray[:3]} belong to no layer of model.num_layers = "
+                         f"{model_cfg.num_layers}. Fix: the checkpoint's files and metadata.json disagree")
+    return by_group

@@ -1,0 +1,179 @@
+"""HF config.json <-> ``ModelConfig`` for GPT-2 and Llama 1/2/3, and the run config a conversion ships with.
+
+Only settings that change the function a model computes are carried; anything HF can express but
+this transformer cannot (another RoPE type, biases on only some linears, GPT-2's per-layer attention
+scaling) is refused with the key and value named, instead of converting into a silently different model.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ..config import Config, ModelConfig
+from ..config.schema import OptimizerConfig, ParallelConfig, TokenizerConfig, TrainConfig
+
+MODEL_TYPES = ("gpt2", "llama")
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+TORCH_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def _unsupported(key: str, value, rule: str, fix: str) -> ValueError:
+    return ValueError(f"config.json {key} = {value!r}: {rule}. Fix: {fix}")
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found. Fix: --input must be a local HF model directory holding "
+                                f"config.json and the safetensors weights (nothing is downloaded)")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def detect_model_type(hf: dict, requested: str | None = None) -> str:
+    """config.json's model_type, checked against --model when that is given."""
+    found = hf.get("model_type")
+    if found not in MODEL_TYPES:
+        raise _unsupported("model_type", found, f"is not a supported model type ({', '.join(MODEL_TYPES)})",
+                           "convert a GPT-2 or Llama 1/2/3 checkpoint (LlamaForCausalLM / GPT2LMHeadModel)")
+    if requested is not None and requested != found:
+        raise _unsupported("model_type", found, f"differs from --model {requested}", f"pass --model {found}")
+    return found
+
+
+def rope_settings(hf: dict) -> dict:
+    """RoPE base and scaling as ModelConfig fields, from transformers 5.x ``rope_parameters`` or 4.x
+    ``rope_theta`` + ``rope_scaling`` (Llama 1/2 files have no scaling at all)."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or params
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    out = {"rope_base": float(theta)}
+    if kind == "default":
+        return out
+    if kind != "llama3":
+        raise _unsupported(f"{key}.rope_type", kind, "is not supported (only 'default' and Llama 3.1's 'llama3' "
+                           "frequency scaling are)", "convert a model without this RoPE scaling, or add it to "
+                           "megatron_domino/models/rope.py first")
+    out.update(rope_scaling_factor=float(scaling["factor"]), rope_low_freq_factor=float(scaling["low_freq_factor"]),
+               rope_high_freq_factor=float(scaling["high_freq_factor"]),
+               rope_original_max_position=int(scaling["original_max_position_embeddings"]))
+    return out
+
+
+def _gpt2_model(hf: dict) -> ModelConfig:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in GPT2_ACTIVATIONS:
+        raise _unsupported("activation_function", act, f"is not one of {', '.join(GPT2_ACTIVATIONS)}",
+                           "convert a model with GPT-2's gelu_new activation")
+    if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
+        raise _unsupported("scale_attn_by_inverse_layer_idx / scale_attn_weights",
+                           (hf.get("scale_attn_by_inverse_layer_idx"), hf.get("scale_attn_weights")),
+                           "only GPT-2's standard 1/sqrt(head_dim) attention scaling is supported",
+                           "convert a model with the standard GPT-2 attention")
+    hidden = hf["n_embd"]
+    positions = hf.get("n_positions", hf.get("n_ctx", 1024))
+    return ModelConfig(num_layers=hf["n_layer"], hidden_size=hidden, ffn_hidden_size=hf.get("n_inner") or 4 * hidden,
+                       num_attention_heads=hf["n_head"], seq_length=positions, max_position_embeddings=positions,
+                       vocab_size=hf["vocab_size"], position_embedding="learned", norm="layernorm",
+                       norm_eps=hf.get("layer_norm_epsilon", 1e-5), activation=GPT2_ACTIVATIONS[act], bias=True,
+                       tie_embeddings=hf.get("tie_word_embeddings", True),
+                       attention_dropout=hf.get("attn_pdrop", 0.1), hidden_dropout=hf.get("resid_pdrop", 0.1),
+                       init_std=hf.get("initializer_range", 0.02), make_vocab_size_divisible_by=128)
+
+
+def _llama_model(hf: dict) -> ModelConfig:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise _unsupported("hidden_act", hf["hidden_act"], "must be silu (Llama's SwiGLU)",
+                           "convert a standard Llama checkpoint")
+    attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if attention_bias != mlp_bias:
+        raise _unsupported("attention_bias / mlp_bias", (attention_bias, mlp_bias),
+                           "model.bias switches the attention and MLP biases together",
+                           "convert a model with both true or both false")
+    hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hidden // heads
+    rope = rope_settings(hf)
+    positions = hf.get("max_position_embeddings", 2048)
+    # with Llama-3.1 scaling the listed context is the stretched one; pre-training length is the original
+    seq_length = rope["rope_original_max_position"] if "rope_scaling_factor" in rope else positions
+    return ModelConfig(num_layers=hf["num_hidden_layers"], hidden_size=hidden, ffn_hidden_size=hf["intermediate_size"],
+                       num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads") or heads,
+                       kv_channels=head_dim if head_dim * heads != hidden else None, seq_length=min(seq_length,
+                       positions), max_position_embeddings=positions, vocab_size=hf["vocab_size"],
+                       position_embedding="rope", norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6),
+                       activation="swiglu", bias=attention_bias, tie_embeddings=hf.get("tie_word_embeddings", False),
+                       attention_dropout=hf.get("attention_dropout", 0.0), hidden_dropout=0.0,
+                       init_std=hf.get("initializer_range", 0.02), make_vocab_size_divisible_by=128, **rope)
+
+
+def model_config_from_hf(hf: dict, model_type: str | None = None) -> ModelConfig:
+    """``ModelConfig`` of a GPT-2 or Llama config.json (either transformers 4.x or 5.x spelling)."""
+    model_type = detect_model_type(hf, model_type)
+    try:
+        return _gpt2_model(hf) if model_type == "gpt2" else _llama_model(hf)
+    except KeyError as missing:
+        raise _unsupported(str(missing.args[0]), None, f"is required for a {model_type} model but missing",
+                           "use the config.json the weights were saved with") from None
+
+
+def model_type_of(cfg: ModelConfig) -> str:
+    """Which HF architecture a native model is: GPT-2 (learned, layernorm, gelu) or Llama (rope, rmsnorm, swiglu)."""
+    switches = (cfg.position_embedding, cfg.norm, cfg.activation)
+    if switches in (("learned", "layernorm", "gelu_tanh"), ("learned", "layernorm", "gelu")):
+        if not cfg.bias or cfg.query_groups != cfg.num_attention_heads or cfg.kv_channels not in (
+                None, cfg.hidden_size // cfg.num_attention_heads):
+            raise ValueError("model: GPT-2 in HF needs bias=true, no grouped-query attention and kv_channels = "
+                             "hidden_size / heads. Fix: export a model with those settings")
+        return "gpt2"
+    if switches == ("rope", "rmsnorm", "swiglu"):
+        return "llama"
+    raise ValueError(f"model.(position_embedding, norm, activation) = {switches}: matches neither GPT-2 "
+                     "(learned, layernorm, gelu_tanh) nor Llama (rope, rmsnorm, swiglu). Fix: only those two "
+                     "architectures have an HF export")
+
+
+def hf_config_from_model(cfg: ModelConfig, dtype_name: str) -> dict:
+    """config.json for a native model; Llama's RoPE is written in both the 4.x and the 5.x spelling."""
+    model_type = model_type_of(cfg)
+    common = {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": cfg.vocab_size,
+              "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
+              "dtype": dtype_name, "torch_dtype": dtype_name}
+    if model_type == "gpt2":
+        act = "gelu_new" if cfg.activation == "gelu_tanh" else "gelu"
+        return {**common, "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_attention_heads,
+                "n_inner": cfg.ffn_size, "n_positions": cfg.max_positions, "activation_function": act,
+                "layer_norm_epsilon": cfg.norm_eps, "attn_pdrop": cfg.attention_dropout,
+                "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout}
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_base}
+    if cfg.rope_scaling_factor:
+        rope.update(rope_type="llama3", factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                    high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_max_position)
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if cfg.rope_scaling_factor else None
+    return {**common, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
+            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.query_groups, "head_dim": cfg.head_dim, "hidden_act": "silu",
+            "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.norm_eps,
+            "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.attention_dropout,
+            "rope_theta": cfg.rope_base, "rope_scaling": scaling, "rope_parameters": rope}
+
+
+def run_config(model: ModelConfig, *, hf_dir: str, output: str, tp: int, pp: int, dtype_name: str) -> Config:
+    """The config.yaml written beside a converted checkpoint: ready to fine-tune or evaluate once data.path is set."""
+    output = os.path.abspath(output)
+    has_tokenizer = any(os.path.exists(os.path.join(hf_dir, name)) for name in TOKENIZER_FILES)
+    tokenizer = (TokenizerConfig(type="HuggingFaceTokenizer", model=os.path.abspath(hf_dir)) if has_tokenizer
+                 else TokenizerConfig())
+    cfg = Config(model=model, parallel=ParallelConfig(tp=tp, pp=pp),
+                 train=TrainConfig(steps=1000, micro_batch_size=1, global_batch_size=8, bf16=dtype_name == "bfloat16"),
+                 optimizer=OptimizerConfig(lr=1e-5, min_lr=1e-6, weight_decay=0.1, warmup_steps=50,
+                                           lr_schedule="cosine"),
+                 tokenizer=tokenizer)
+    cfg.checkpoint.load = output
+    cfg.checkpoint.dir = os.path.join(output, "finetune")
+    cfg.log.dir = os.path.join(output, "finetune", "logs")
+    return cfg

@@ -1,0 +1,228 @@
+"""tools/convert_checkpoint.py: HF <-> native round trips, logits against transformers, reshard, config parsing.
+
+Tiny random HF models are built from configs and saved locally (one file, and sharded with an index);
+nothing is downloaded. References are transformers itself and the HF files as saved by transformers.
+"""
+import importlib.util
+import json
+import os
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from megatron_domino.config import ConfigError, load_config
+from megatron_domino.convert.convert import hf_to_native, native_to_hf, reshard
+from megatron_domino.convert.hf_config import model_config_from_hf
+from megatron_domino.models import LanguageModel
+from megatron_domino.training.checkpoint import load_checkpoint, resolve_load_path
+
+transformers = pytest.importorskip("transformers")
+_CLI = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "convert_checkpoint.py")
+_spec = importlib.util.spec_from_file_location("convert_checkpoint_cli", _CLI)
+cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cli)
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=300, n_positions=32, n_embd=64, n_layer=4, n_head=4,
+                                     activation_function="gelu_new", bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _llama(tied=False, bias=False):
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-5, tie_word_embeddings=tied,
+        attention_bias=bias, mlp_bias=bias, bos_token_id=0, eos_token_id=0,
+        rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE})
+    model = transformers.LlamaForCausalLM(config).eval()
+    if bias:  # HF starts biases at zero; random ones make the test see where each lands
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_()
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """name -> (HF model, saved directory): GPT-2 in one file, Llama (GQA, untied, Llama-3.1 RoPE scaling)
+    sharded with an index json, and a tied Llama with biases."""
+    root = tmp_path_factory.mktemp("hf")
+    gpt2, llama, llama_tied = _gpt2(), _llama(), _llama(tied=True, bias=True)
+    gpt2.save_pretrained(root / "gpt2", safe_serialization=True)
+    llama.save_pretrained(root / "llama", safe_serialization=True, max_shard_size="100KB")
+    llama_tied.save_pretrained(root / "llama_tied_bias", safe_serialization=True)
+    assert os.path.exists(root / "llama" / "model.safetensors.index.json")
+    return {"gpt2": (gpt2, str(root / "gpt2")), "llama": (llama, str(root / "llama")),
+            "llama_tied_bias": (llama_tied, str(root / "llama_tied_bias"))}
+
+
+def _hf_tensors(hf_dir):
+    """Every tensor of an HF directory, from whichever files hold it."""
+    out = {}
+    for name in os.listdir(hf_dir):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(hf_dir, name)))
+    return out
+
+
+def _file_keys(path):
+    with safe_open(path, framework="pt") as f:
+        return set(f.keys())
+
+
+def _load_native(root, model_cfg):
+    """A tp=1 single-stage model filled by the training loader itself from the converted checkpoint."""
+    model = LanguageModel(model_cfg).eval()
+    cfg = load_config(os.path.join(root, "config.yaml"), ["parallel.tp=1", "parallel.pp=1"])
+    state = SimpleNamespace(tp_rank=0, tp_size=1, pp_size=1, dp_size=1, virtual_pp=1, rank=0)
+    metadata = load_checkpoint(resolve_load_path(cfg.checkpoint.load, None), chunks=[model], optimizer=None,
+                               schedule=None, cfg=cfg, state=state)
+    assert metadata["step"] == 0 and metadata["has_optimizer"] is False
+    return model
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "llama_tied_bias"])
+def test_round_trip_is_bit_exact_and_logits_match(hf_models, tmp_path, name):
+    hf_model, hf_dir = hf_models[name]
+    kind = name.split("_")[0]
+    native = str(tmp_path / "native")
+    assert cli.main(["hf-to-native", "--model", kind, "--input", hf_dir, "--output", native,
+                     "--tp", "2", "--pp", "2", "--quiet"]) == 0
+    step = os.path.join(native, "step_00000000")
+    with open(os.path.join(step, "metadata.json")) as f:
+        meta = json.load(f)
+    assert meta["layout"] == {"tp": 2, "pp": 2, "dp": None, "virtual_pp": 1, "zero_stage": None}
+    assert meta["has_optimizer"] is False and meta["config"]["parallel"]["tp"] == 2
+    # stage 0 holds the embedding and layers 0-1, stage 1 layers 2-3 and the final norm
+    first, last = _file_keys(os.path.join(step, "model-pp000.safetensors")), \
+        _file_keys(os.path.join(step, "model-pp001.safetensors"))
+    assert "embedding.word_embeddings.weight" in first and "final_norm.weight" in last
+    assert {n.split(".")[1] for n in first if n.startswith("layers.")} == {"0", "1"}
+    assert {n.split(".")[1] for n in last if n.startswith("layers.")} == {"2", "3"}
+    assert ("output_layer.weight" in last) == (name == "llama")  # a tied head is the embedding, stored once
+    assert ("layers.0.attention.qkv.bias" in first) == (name != "llama")
+
+    cfg = load_config(os.path.join(native, "config.yaml"))
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.checkpoint.load) == (2, 2, os.path.abspath(native))
+    model = _load_native(native, cfg.model)
+    tokens = torch.randint(0, hf_model.config.vocab_size, (2, cfg.model.seq_length))
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+        ours = model(None, {"tokens": tokens}, return_logits=True)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
+
+    back = str(tmp_path / "back")
+    native_to_hf(native, back, max_shard_size="60KB", quiet=True)
+    assert os.path.exists(os.path.join(back, "model.safetensors.index.json"))
+    original, exported = _hf_tensors(hf_dir), _hf_tensors(back)
+    assert set(exported) == set(original)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    with open(os.path.join(back, "config.json")) as f:
+        out_cfg = json.load(f)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        in_cfg = json.load(f)
+    for key, value in out_cfg.items():
+        if in_cfg.get(key) is not None and key not in ("transformers_version", "torch_dtype"):
+            assert in_cfg[key] == value, key
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back, local_files_only=True).eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, expected)
+
+
+def test_single_file_export_omits_tied_head(hf_models, tmp_path):
+    native, back = str(tmp_path / "native"), str(tmp_path / "back")
+    hf_to_native(hf_models["gpt2"][1], native, tp=1, pp=1, quiet=True)
+    native_to_hf(native, back, quiet=True)
+    assert sorted(f for f in os.listdir(back) if "safetensors" in f) == ["model.safetensors"]
+    assert "lm_head.weight" not in _file_keys(os.path.join(back, "model.safetensors"))
+
+
+def test_gpt2_files_without_transformer_prefix(hf_models, tmp_path):
+    """GPT-2 weights saved from GPT2Model name 'h.0.ln_1.weight', not 'transformer.h.0.ln_1.weight'."""
+    hf_dir = hf_models["gpt2"][1]
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(os.path.join(hf_dir, "config.json"), bare / "config.json")
+    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    save_file({k.removeprefix("transformer."): v for k, v in tensors.items()}, str(bare / "model.safetensors"))
+    hf_to_native(str(bare), str(tmp_path / "a"), quiet=True)
+    hf_to_native(hf_dir, str(tmp_path / "b"), quiet=True)
+    a = load_file(str(tmp_path / "a" / "step_00000000" / "model-pp000.safetensors"))
+    b = load_file(str(tmp_path / "b" / "step_00000000" / "model-pp000.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_rope_scaling_and_rope_parameters_spellings_agree():
+    base = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+            "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 128,
+            "vocab_size": 300, "rms_norm_eps": 1e-5}
+    v4 = {**base, "rope_theta": 500000.0, "rope_scaling": dict(LLAMA3_ROPE)}
+    v5 = {**base, "rope_parameters": {"rope_theta": 500000.0, **LLAMA3_ROPE}}
+    assert model_config_from_hf(v4) == model_config_from_hf(v5)
+    cfg = model_config_from_hf(v5)
+    assert (cfg.rope_base, cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+            cfg.rope_original_max_position) == (500000.0, 8.0, 1.0, 4.0, 16)
+    assert (cfg.query_groups, cfg.ffn_size, cfg.tie_embeddings, cfg.bias, cfg.seq_length) == (2, 96, False, False, 16)
+    llama2 = model_config_from_hf({**base, "rope_theta": 10000.0, "rope_scaling": None})
+    assert llama2.rope_scaling_factor is None and llama2.rope_base == 10000.0 and llama2.seq_length == 128
+    with pytest.raises(ValueError, match="rope_scaling.rope_type = 'yarn'"):
+        model_config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    odd_head = model_config_from_hf({**base, "head_dim": 16})
+    assert odd_head.kv_channels == 16 and odd_head.head_dim == 16
+
+
+def test_reshard_regroups_model_and_optimizer_files(hf_models, tmp_path):
+    native, again = str(tmp_path / "native"), str(tmp_path / "tp1pp4")
+    hf_to_native(hf_models["llama"][1], native, tp=2, pp=2, quiet=True)
+    step = os.path.join(native, "step_00000000")
+    weights = {}
+    for name in sorted(os.listdir(step)):
+        if name.startswith("model-"):
+            weights.update(load_file(os.path.join(step, name)))
+    optim = {f"{n}/exp_avg": torch.randn(t.shape) for n, t in weights.items()}
+    save_file(optim, os.path.join(step, "optim-pp000.safetensors"))
+    reshard(native, again, tp=1, pp=4, quiet=True)
+    out = os.path.join(again, "step_00000000")
+    with open(os.path.join(out, "metadata.json")) as f:
+        meta = json.load(f)
+    assert (meta["layout"]["tp"], meta["layout"]["pp"]) == (1, 4)
+    assert (meta["config"]["parallel"]["tp"], meta["config"]["parallel"]["pp"]) == (1, 4)
+    for prefix, expected in (("model", weights), ("optim", optim)):
+        got = {}
+        for stage in range(4):  # 4 layers on 4 stages: stage k holds layer k
+            part = load_file(os.path.join(out, f"{prefix}-pp{stage:03d}.safetensors"))
+            assert {n.split(".")[1] for n in part if n.startswith("layers.")} == {str(stage)}
+            got.update(part)
+        assert set(got) == set(expected)
+        assert all(torch.equal(got[n], t) for n, t in expected.items())
+
+
+def test_errors_name_the_problem(hf_models, tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json not found"):
+        hf_to_native(str(tmp_path), str(tmp_path / "out"), quiet=True)
+    odd = tmp_path / "mistral"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    with pytest.raises(ValueError, match="model_type = 'mistral'.*not a supported model type"):
+        hf_to_native(str(odd), str(tmp_path / "out"), quiet=True)
+    with pytest.raises(ValueError, match="differs from --model gpt2"):
+        hf_to_native(hf_models["llama"][1], str(tmp_path / "out"), model="gpt2", quiet=True)
+    with pytest.raises(ConfigError, match="parallel.tp"):  # 8 heads, 2 KV groups: tp 3 cannot split them
+        hf_to_native(hf_models["llama"][1], str(tmp_path / "out"), tp=3, quiet=True)
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(hf_models["gpt2"][1], no_weights)
+    os.remove(no_weights / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        hf_to_native(str(no_weights), str(tmp_path / "out"), quiet=True)
