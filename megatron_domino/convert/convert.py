@@ -33,11 +33,11 @@ from .hf_io import (
     shard_names,
     write_hf_index,
 )
+from ..training.checkpoint import publish_step_dir
 from .hf_mapping import group_of, groups, hf_group_to_native, native_group_to_hf
 from .native_io import (
     check_layout,
     file_of,
-    finish_step_dir,
     layout,
     model_only_metadata,
     native_tensors,
@@ -133,7 +133,7 @@ def hf_to_native(input_dir: str, output: str, *, tp: int = 1, pp: int = 1, model
     tmp = start_step_dir(output, 0)
     _write(group_list, produce, specs, {n: file_of(n, files) for n in specs}, tmp, "hf-to-native", quiet)
     _warn_unread(source, model_cfg)
-    finish_step_dir(output, tmp, model_only_metadata(cfg))
+    publish_step_dir(output, tmp, model_only_metadata(cfg))
     _write_run_config(cfg, os.path.join(os.path.abspath(output), "config.yaml"), input_dir, model_type)
     return output
 
@@ -252,7 +252,7 @@ def reshard(input_path: str, output: str, *, tp: int, pp: int, virtual_pp: int =
     old_layout = metadata.get("layout") or {}
     metadata = {**metadata, "config": config_to_dict(cfg),
                 "layout": {**layout(cfg), "zero_stage": old_layout.get("zero_stage")}}
-    finish_step_dir(output, tmp, metadata)
+    publish_step_dir(output, tmp, metadata)
     return output
 
 

@@ -7,13 +7,12 @@ keeps files small and per-rank reads local; it is redone here from the target la
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
 from ..config import Config, ConfigError, config_from_dict, config_to_dict, validate_config
 from ..pipeline.stages import layer_partition
-from ..training.checkpoint import LATEST, VERSION, read_metadata, resolve_load_path, step_dir_name
+from ..training.checkpoint import VERSION, read_metadata, resolve_load_path, step_dir_name
 from .hf_io import TensorFiles
 from .hf_mapping import POST, PRE, group_of
 
@@ -66,31 +65,13 @@ def native_tensors(step_dir: str, prefix: str) -> TensorFiles | None:
 
 
 def start_step_dir(root: str, step: int) -> str:
-    """A fresh temporary directory beside the final ``step_*``; ``finish_step_dir`` moves it into place."""
+    """A fresh temporary directory beside the final ``step_*``; ``training.checkpoint.publish_step_dir`` moves it into place."""
     if os.path.isfile(root):
         raise FileExistsError(f"--output {root!r} is a file. Fix: give a directory path")
     tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     return tmp
-
-
-def finish_step_dir(root: str, tmp: str, metadata: dict) -> str:
-    """Write metadata.json, rename the step directory into place, then point ``latest`` at it."""
-    with open(os.path.join(tmp, "metadata.json"), "w", encoding="utf-8") as f:
-        json.dump(metadata, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    final = os.path.join(root, step_dir_name(metadata["step"]))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    pointer = os.path.join(root, LATEST)
-    with open(pointer + ".tmp", "w", encoding="utf-8") as f:
-        json.dump({"step": metadata["step"], "dir": step_dir_name(metadata["step"])}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer + ".tmp", pointer)
-    return final
 
 
 def model_only_metadata(cfg: Config) -> dict:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..config.loader import config_to_dict
+from ..config.loader import config_from_dict, config_to_dict
 from ..models.full_state import gather_full, load_full_state_dict, saved_parameters, shard_full
 from ..parallel.random import capture_rng_state, restore_rng_state
 
@@ -77,7 +77,7 @@ def _optimizer_tensors(chunks, optimizer, state) -> tuple[dict[str, torch.Tensor
 def save_checkpoint(root: str, step: int, *, chunks, optimizer, schedule, consumed_samples: int, cfg, state,
                     keep: int) -> str:
     """Write a checkpoint of ``step`` under ``root`` (collective over every rank); returns its directory."""
-    final, tmp = os.path.join(root, step_dir_name(step)), os.path.join(root, ".tmp-" + step_dir_name(step))
+    tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
     if state.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, "rng"))
@@ -96,20 +96,31 @@ def save_checkpoint(root: str, step: int, *, chunks, optimizer, schedule, consum
     torch.save(capture_rng_state(), rng_path)
     _fsync_file(rng_path)
     dist.barrier()
+    final = os.path.join(root, step_dir_name(step))
     if state.rank == 0:
         metadata = {"version": VERSION, "step": step, "consumed_samples": consumed_samples,
                     "has_optimizer": True, "lr_schedule": schedule.state_dict(), "optimizer": optim_meta,
                     "layout": _layout(state, cfg), "config": config_to_dict(cfg)}
-        _write_json_atomic(os.path.join(tmp, "metadata.json"), metadata)
         _fsync_dir(os.path.join(tmp, "rng"))
-        _fsync_dir(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        _write_json_atomic(os.path.join(root, LATEST), {"step": step, "dir": step_dir_name(step)})
-        _fsync_dir(root)
-        _prune(root, keep)
+        publish_step_dir(root, tmp, metadata, keep)
     dist.barrier()
+    return final
+
+
+def publish_step_dir(root: str, tmp: str, metadata: dict, keep: int = 0) -> str:
+    """Write metadata.json into ``tmp``, fsync, rename it to its step_* name, then point ``latest`` at it.
+
+    Until the final replace of ``latest``, a reader still sees the previous whole checkpoint.
+    """
+    _write_json_atomic(os.path.join(tmp, "metadata.json"), metadata)
+    _fsync_dir(tmp)
+    final = os.path.join(root, step_dir_name(metadata["step"]))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _write_json_atomic(os.path.join(root, LATEST), {"step": metadata["step"], "dir": step_dir_name(metadata["step"])})
+    _fsync_dir(root)
+    _prune(root, keep)
     return final
 
 
@@ -155,7 +166,6 @@ def read_metadata(path: str) -> dict:
 
 def check_compatible(metadata: dict, model_cfg) -> None:
     """Refuse a checkpoint of a different model, naming every differing key."""
-    from ..config.loader import config_from_dict
     saved = config_from_dict({"model": metadata["config"]["model"]}).model
     differing = [f"model.{k}: checkpoint {getattr(saved, k)!r} vs config {getattr(model_cfg, k)!r}"
                  for k in SHAPE_KEYS if getattr(saved, k) != getattr(model_cfg, k)]

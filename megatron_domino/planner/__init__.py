@@ -1,0 +1,1 @@
+"""Parallelism planner: memory and step-time estimates for every valid layout, ranked."""

@@ -1,0 +1,259 @@
+"""Per-GPU memory of a training layout, stage by stage, from the config alone.
+
+Static state, per parameter held by the rank (its TP shard of its pipeline chunks), following
+``optim.distributed_optimizer``:
+- weights: 2 B (bf16/fp16) or 4 B (fp32);
+- gradients: a 4 B fp32 buffer (``accumulate_grads_in_fp32``, else the weight dtype). ZeRO-1/2 add the
+  reduced 1/dp shard beside it. ZeRO-2 frees a bucket's full gradient once it is reduced, but it lives
+  from the step's first backward to its last, so with more than one micro-batch it is all there at
+  the peak; with one micro-batch only about one bucket is;
+- optimizer: fp32 master (4 B, only for 16-bit weights) + Adam's two moments (8 B; SGD momentum 4 B),
+  divided by dp under ZeRO >= 1.
+
+Activations: the bytes autograd saves for backward, per micro-batch, counted tensor by tensor for
+OUR block rather than with Korthikanti et al.'s formula (34*s*b*h + 5*a*s^2*b bytes per layer for
+Megatron's fused fp16 kernels), which does not describe this code: norms here compute in fp32 (their
+saved input is a 4-byte copy, and CPU builds of torch decompose RMSNorm and save its normalised output
+too; CUDA builds run the fused ``_fused_rms_norm``, which saves input and rstd only), SDPA is a flash
+kernel on CUDA and on CPU so the a*s^2 score matrix is never stored (only a fp32 logsumexp), GQA's
+repeated K/V and RoPE's rotated Q/K are new tensors, and the sequence-parallel all-gather's output
+(the full sequence) is what the following linear saves. Per token and TP rank (e = 2 or 4 bytes,
+t = tp, r = t under sequence parallelism else 1, a*d = query width, g*d = KV width, f = FFN):
+
+    each norm       LayerNorm 4h/r + 8/r (fp32 input, mean, rstd); RMSNorm 4h/r + 4/r on CUDA (fp32
+                    input, rstd), 8h/r + 4/r on CPU (also the fp32 normalised output)
+    attention       e*h (QKV input)  + e*(a+2g)*d/t (the QKV output, when a view of it is saved:
+                    no RoPE, or MHA) + e*a*d/t for each of Q, K, V that is a new tensor (Q: RoPE;
+                    K: RoPE or GQA; V: GQA) + e*a*d/t (SDPA output = projection input) + 4a/t (logsumexp)
+    MLP             e*h (FC1 input) + GeLU 2e*f/t (FC1 output, activation output) or SwiGLU 4e*f/t
+    dropout         a mask of h/r elements after attention and after the MLP: 1 byte each on CUDA
+                    (a bool mask), e bytes on CPU (torch keeps a scaled mask of the input's dtype);
+                    attention-probability dropout keeps no mask in flash attention (on CPU, SDPA with
+                    dropout falls back to the math kernel and keeps the score matrix: not modelled)
+
+Selective recompute drops the logsumexp (SDPA's other inputs are the checkpoint's inputs and its output
+is the projection's input, so nothing else). Full recompute keeps, per layer, each phase's input
+(2e*h/r), the two projection inputs (e*a*d/t + e*f/t) and the dropout masks; one phase's activations
+are rebuilt at a time in backward (counted as transient). Per model chunk and micro-batch, the first
+stage adds token ids (8 B/token) and an embedding dropout mask; RoPE adds fp32 cos/sin (8d B/token);
+the last stage adds a norm, the head input (e*h) and the loss's fp32 softmax (4V/t) with int64
+targets; other stages keep the received input (e*h/r) when it is not the first norm's own saved input.
+
+In flight: a rank holds the activations of every micro-batch whose forward has run and backward has
+not. 1F1B: min(pp - rank, m) on rank ``rank``; interleaved: Megatron's warm-up count + 1 chunk-micro-
+batches (``pipeline.schedules.interleaved_warmup``), each sized by the rank's largest chunk.
+
+Transient peaks: the loss's forward briefly holds the logits (e), their fp32 copy (16-bit runs), a
+masked copy (padded vocabularies) and the shifted logits next to the softmax; backward temporaries
+(gradients of one layer's tensors) are not counted. The fixed ``overhead`` (hardware.py) covers the
+CUDA context, NCCL buffers and fragmentation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..config.schema import Config, ModelConfig
+from ..models.counters import count_parameters
+from ..pipeline.engine import schedule_kind
+from ..pipeline.schedules import interleaved_warmup, virtual_stage
+from ..pipeline.stages import layer_partition
+from .hardware import GPU
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on one GPU of pipeline rank ``rank`` (the worst TP rank of it)."""
+
+    rank: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: float  # all micro-batches in flight
+    transient: float
+    overhead: float
+    in_flight: int  # micro-batches (chunk-micro-batches when interleaved) whose activations are held
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.transient + self.overhead
+
+    def breakdown(self) -> str:
+        """"params 2.7 + grads 5.5 + ... = 66.2 GiB" (MiB for totals under 1 GiB: the tiny CPU runs)."""
+        scale, unit = (GIB, "GiB") if self.total >= GIB else (2**20, "MiB")
+        parts = [("params", self.params), ("grads", self.grads), ("optim", self.optimizer),
+                 ("act", self.activations), ("transient", self.transient), ("overhead", self.overhead)]
+        terms = " + ".join(f"{name} {value / scale:.1f}" for name, value in parts)
+        return f"{terms} = {self.total / scale:.1f} {unit}"
+
+
+def weight_bytes(cfg: Config) -> int:
+    return 2 if (cfg.train.bf16 or cfg.train.fp16) else 4
+
+
+def num_microbatches(cfg: Config, dp: int) -> int:
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+
+
+# ----- parameters --------------------------------------------------------------------------------
+def _norm_parameters(model: ModelConfig) -> int:
+    return (1 if model.norm == "rmsnorm" else 2) * model.hidden_size  # LayerNorm: weight and bias
+
+
+def layer_parameters(model: ModelConfig, tp: int) -> float:
+    """One block's parameters on one TP rank: projections split by tp, norms and row-parallel biases replicated."""
+    full = count_parameters(replace(model, num_layers=1)) - count_parameters(replace(model, num_layers=0))
+    replicated = 2 * _norm_parameters(model) + (2 * model.hidden_size if model.bias else 0)
+    return (full - replicated) / tp + replicated
+
+
+def rank_parameters(cfg: Config) -> list[float]:
+    """Parameters held by one TP rank of each pipeline rank (embedding on the first, head on the last)."""
+    model, par = cfg.model, cfg.parallel
+    partition = layer_partition(cfg)
+    stages = par.pp * par.virtual_pp
+    embedding = model.padded_vocab_size(par.tp) // par.tp * model.hidden_size
+    per_layer = layer_parameters(model, par.tp)
+    totals = []
+    for rank in range(par.pp):
+        total = 0.0
+        for chunk in range(par.virtual_pp):
+            stage = virtual_stage(rank, chunk, par.pp)
+            total += per_layer * len(partition[stage])
+            if stage == 0:
+                total += embedding + (model.max_positions * model.hidden_size
+                                      if model.position_embedding == "learned" else 0)
+            if stage == stages - 1:
+                total += _norm_parameters(model)
+                if not (model.tie_embeddings and stages == 1):
+                    total += embedding
+        totals.append(total)
+    return totals
+
+
+def static_bytes(cfg: Config, params: float, dp: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes for ``params`` parameters on one GPU."""
+    opt, e = cfg.optimizer, weight_bytes(cfg)
+    zero = opt.zero_stage if dp > 1 else 0  # one DP rank: the shard is the whole (as the optimizer does)
+    grad_e = 4 if opt.accumulate_grads_in_fp32 else e
+    full_grads = params * grad_e
+    if zero == 0:
+        grads = full_grads
+    elif zero == 1 or num_microbatches(cfg, dp) > 1:
+        grads = full_grads + full_grads / dp
+    else:
+        grads = min(full_grads, opt.bucket_size_mb * 2**20) + full_grads / dp
+    moments = 8 if opt.name == "adamw" else (4 if opt.momentum > 0 else 0)
+    state = params * ((4 if e != 4 else 0) + moments)
+    return params * e, grads, state / dp if zero >= 1 else state
+
+
+# ----- activations -------------------------------------------------------------------------------
+def _norm_bytes(model: ModelConfig, shard: int, gpu: GPU) -> float:
+    h = model.hidden_size
+    if model.norm == "layernorm":
+        return (4 * h + 8) / shard
+    return ((4 if gpu.is_cuda else 8) * h + 4) / shard
+
+
+def _dropout_mask_bytes(cfg: Config, gpu: GPU) -> float:
+    """Bytes per token of one hidden-state dropout mask (0 without dropout)."""
+    if cfg.model.hidden_dropout == 0:
+        return 0.0
+    shard = cfg.parallel.tp if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1 else 1
+    return (1 if gpu.is_cuda else weight_bytes(cfg)) * cfg.model.hidden_size / shard
+
+
+def layer_activation_bytes(cfg: Config, gpu: GPU) -> tuple[float, float, float]:
+    """(saved bytes per token of one block, of its attention phase, of its MLP phase) on one TP rank."""
+    model, par = cfg.model, cfg.parallel
+    e, t = weight_bytes(cfg), par.tp
+    r = t if par.sequence_parallel and t > 1 else 1
+    h, f, d = model.hidden_size, model.ffn_size, model.head_dim
+    a, g = model.num_attention_heads, model.query_groups
+    rope, gqa = model.position_embedding == "rope", g < a
+    mask = _dropout_mask_bytes(cfg, gpu)
+    if model.recompute == "full":
+        total = 2 * e * h / r + e * a * d / t + e * f / t + 2 * mask
+        return total, 0.0, 0.0
+    qkv_storage = e * (a + 2 * g) * d / t if (not rope or not gqa) else 0.0
+    new_qkv = e * a * d / t * (int(rope) + int(rope or gqa) + int(gqa))
+    logsumexp = 0.0 if model.recompute == "selective" else 4 * a / t
+    attention = _norm_bytes(model, r, gpu) + e * h + qkv_storage + new_qkv + e * a * d / t + logsumexp + mask
+    mlp = _norm_bytes(model, r, gpu) + e * h + (4 if model.activation == "swiglu" else 2) * e * f / t + mask
+    return attention + mlp, attention, mlp
+
+
+def _recompute_working_bytes(cfg: Config, gpu: GPU) -> float:
+    """Full recompute rebuilds one phase of one layer in backward: that phase's activations, per token."""
+    plain = replace(cfg, model=replace(cfg.model, recompute="none"))
+    _, attention, mlp = layer_activation_bytes(plain, gpu)
+    return max(attention, mlp)
+
+
+def chunk_activation_bytes(cfg: Config, gpu: GPU, layers: int, first: bool, last: bool) -> float:
+    """Saved bytes per token of one model chunk holding ``layers`` blocks (and the embedding / head)."""
+    model, par = cfg.model, cfg.parallel
+    e, t = weight_bytes(cfg), par.tp
+    r = t if par.sequence_parallel and t > 1 else 1
+    h = model.hidden_size
+    total = layers * layer_activation_bytes(cfg, gpu)[0]
+    if layers and model.position_embedding == "rope":
+        total += 8 * model.head_dim
+    if first:
+        total += 8 + (1 if t > 1 else 0) + _dropout_mask_bytes(cfg, gpu)
+    elif e != 4 and model.recompute != "full":
+        total += e * h / r
+    if last:
+        total += _norm_bytes(model, r, gpu) + e * h + 4 * model.padded_vocab_size(t) / t + 9
+    return total
+
+
+def loss_transient_bytes(cfg: Config) -> float:
+    """Extra bytes per token while the loss's forward runs, beyond the softmax it keeps."""
+    e, t = weight_bytes(cfg), cfg.parallel.tp
+    model = cfg.model
+    vocab = model.padded_vocab_size(t) / t
+    copies = e + (4 if e != 4 else 0) + (4 if model.padded_vocab_size(t) > model.vocab_size else 0) + 4
+    return copies * vocab
+
+
+def in_flight(cfg: Config, dp: int) -> list[int]:
+    """Micro-batches (chunk-micro-batches when interleaved) whose activations each pipeline rank holds at its peak."""
+    pp, v = cfg.parallel.pp, cfg.parallel.virtual_pp
+    m = num_microbatches(cfg, dp)
+    kind = schedule_kind(pp, v)
+    if kind == "none":
+        return [1]
+    if kind == "1f1b":
+        return [min(pp - rank, m) for rank in range(pp)]
+    return [min(interleaved_warmup(pp, rank, m, v) + 1, m * v) for rank in range(pp)]
+
+
+# ----- the estimate ------------------------------------------------------------------------------
+def estimate_stages(cfg: Config, dp: int, gpu: GPU) -> list[StageMemory]:
+    """Memory of every pipeline rank for the layout in ``cfg`` with data-parallel size ``dp``."""
+    par = cfg.parallel
+    partition = layer_partition(cfg)
+    stages = par.pp * par.virtual_pp
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+    flights = in_flight(cfg, dp)
+    result = []
+    for rank, params in enumerate(rank_parameters(cfg)):
+        weights, grads, optimizer = static_bytes(cfg, params, dp)
+        chunks = [virtual_stage(rank, c, par.pp) for c in range(par.virtual_pp)]
+        per_unit = max(chunk_activation_bytes(cfg, gpu, len(partition[s]), s == 0, s == stages - 1) for s in chunks)
+        transient = 0.0
+        if stages - 1 in chunks:
+            transient = loss_transient_bytes(cfg)
+        if cfg.model.recompute == "full":
+            transient = max(transient, _recompute_working_bytes(cfg, gpu))
+        result.append(StageMemory(rank, weights, grads, optimizer, flights[rank] * per_unit * tokens,
+                                  transient * tokens, gpu.overhead_gib * GIB, flights[rank]))
+    return result
+
+
+def estimate_memory(cfg: Config, dp: int, gpu: GPU) -> StageMemory:
+    """The pipeline rank with the largest total: the one that decides whether the layout fits."""
+    return max(estimate_stages(cfg, dp, gpu), key=lambda s: s.total)

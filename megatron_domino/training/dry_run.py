@@ -1,0 +1,115 @@
+"""``--dry-run``: check a launch on one CPU process before any GPU is asked for.
+
+Validates the config for the world size, builds the rank grid (plain arithmetic, no process group,
+no collective), and prints the rank map, the communication groups, the pipeline schedule's shape
+and the per-GPU memory estimate of the configured layout. A 1024-GPU job is checked in a second
+on a login node; a layout that would fail after 1024 ranks started fails here instead.
+
+    python -m megatron_domino.training.dry_run --config configs/gpt/175b.yaml --world-size 1024 [key=value ...]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..config import ConfigError, load_config, validate_config
+from ..config.schema import Config
+from ..parallel.topology import Topology
+from ..pipeline.engine import schedule_kind
+from ..planner.hardware import get_gpu
+from ..planner.memory import GIB, estimate_stages, num_microbatches
+
+FULL_MAP_LIMIT = 32  # worlds up to this size print every rank
+SHOWN = 8  # otherwise the first and last SHOWN ranks
+
+
+def _node_span(groups: list[list[int]], gpus_per_node: int) -> str:
+    inside = all(len({r // gpus_per_node for r in group}) == 1 for group in groups)
+    return "each inside one node" if inside else "spanning nodes"
+
+
+def _example(group: list[int]) -> str:
+    shown = group if len(group) <= 8 else group[:4] + ["..."] + group[-2:]
+    return "[" + ", ".join(map(str, shown)) + "]"
+
+
+def _rank_map(topology: Topology, gpus_per_node: int) -> list[str]:
+    hosts = [f"node{rank // gpus_per_node}/gpu{rank % gpus_per_node}" for rank in range(topology.world_size)]
+    lines = topology.rank_map(hosts).splitlines()
+    if topology.world_size <= FULL_MAP_LIMIT:
+        return lines
+    header, rows = lines[:2], lines[2:]
+    return header + rows[:SHOWN] + [f"  ... {topology.world_size - 2 * SHOWN} ranks not shown ..."] + rows[-SHOWN:]
+
+
+def _groups(topology: Topology, gpus_per_node: int) -> list[str]:
+    lines = ["groups:"]
+    for name, groups in (("tensor parallel", topology.tp_groups()), ("data parallel", topology.dp_groups()),
+                         ("pipeline (stage order)", topology.pp_groups()),
+                         ("embedding (first + last stage)", topology.embedding_groups())):
+        lines.append(f"  {name}: {len(groups)} groups of {len(groups[0])}, {_node_span(groups, gpus_per_node)}; "
+                     f"first {_example(groups[0])}")
+    return lines
+
+
+def _schedule(cfg: Config, dp: int, flights: list[int]) -> str:
+    par = cfg.parallel
+    kind = schedule_kind(par.pp, par.virtual_pp)
+    unit = "chunk-micro-batches" if kind == "interleaved" else "micro-batches"
+    return (f"schedule: {kind}, {num_microbatches(cfg, dp)} micro-batches of {cfg.train.micro_batch_size} "
+            f"per step on each of {dp} data-parallel replicas; {unit} in flight: {flights[0]} on pipeline rank 0, "
+            f"{flights[-1]} on the last")
+
+
+def dry_run(cfg: Config, world_size: int, gpus_per_node: int = 8, gpu: str = "h100-80gb") -> str:
+    """The dry-run report for ``cfg`` on ``world_size`` ranks; raises ``ConfigError`` for an invalid config."""
+    notes = validate_config(cfg, world_size=world_size, check_paths=False)
+    par = cfg.parallel
+    topology = Topology(world_size, par.tp, par.pp, par.dp, par.virtual_pp, par.order)
+    device = get_gpu(gpu)
+    nodes = -(-world_size // gpus_per_node)
+    lines = [f"dry run: {world_size} ranks on {nodes} node(s) x {gpus_per_node}; "
+             f"no process group started, no collective run"]
+    lines += [f"warning: {note}" for note in notes]
+    lines += _rank_map(topology, gpus_per_node) + _groups(topology, gpus_per_node)
+    stages = estimate_stages(cfg, topology.dp, device)
+    lines.append(_schedule(cfg, topology.dp, [s.in_flight for s in stages]))
+    worst = max(stages, key=lambda s: s.total)
+    verdict = "fits" if worst.total <= device.memory_bytes else "DOES NOT FIT: run tools/plan.py for layouts that do"
+    lines.append(f"memory per GPU ({device.name}, {device.memory_gib:.1f} GiB), worst pipeline rank {worst.rank}: "
+                 f"{worst.breakdown()} -> {verdict}")
+    if par.pp > 1:
+        scale, unit = (GIB, "GiB") if worst.total >= GIB else (2**20, "MiB")
+        lines.append(f"per pipeline rank ({unit}): " + ", ".join(f"{s.rank}: {s.total / scale:.1f}" for s in stages))
+    return "\n".join(lines)
+
+
+def _default_world_size() -> int | None:
+    value = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS")
+    return int(value) if value else None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML config (see configs/)")
+    parser.add_argument("--world-size", type=int, default=_default_world_size(),
+                        help="ranks of the launch (default: $WORLD_SIZE or $SLURM_NTASKS)")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpu", default="h100-80gb", help="GPU type for the memory estimate (see planner/hardware.py)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. parallel.tp=8")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.world_size is None:
+        print("dry run: the world size is unknown. Fix: pass --world-size N or set WORLD_SIZE", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(args.config, args.overrides)
+        print(dry_run(cfg, args.world_size, args.gpus_per_node, args.gpu))
+    except (ConfigError, ValueError) as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

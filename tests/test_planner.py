@@ -1,0 +1,301 @@
+"""The parallelism planner against measurements of real CPU runs, the pipeline simulator and published layouts.
+
+Memory references are independent of the planner: the bytes autograd actually saves (saved-tensor hooks),
+the parameter / gradient / Adam-state tensors of a real model and optimizer, and the process's peak of
+allocated bytes (glibc's malloc counters, sampled after every torch op) during a real training step.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_domino.config import load_config, validate_config
+from megatron_domino.domino.plan import DominoPlan
+from megatron_domino.models import LanguageModel
+from megatron_domino.parallel import comm
+from megatron_domino.parallel.random import seed_streams
+from megatron_domino.pipeline.schedules import build_schedule, virtual_stage
+from megatron_domino.pipeline.simulate import Costs, simulate
+from megatron_domino.pipeline.stages import layer_partition
+from megatron_domino.planner.hardware import get_gpu
+from megatron_domino.planner.memory import chunk_activation_bytes, estimate_memory, in_flight, rank_parameters
+from megatron_domino.planner.search import Layout, evaluate, rank_layouts
+from megatron_domino.planner.timing import estimate_step_time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPT, LLAMA = os.path.join(ROOT, "configs/tiny/gpt.yaml"), os.path.join(ROOT, "configs/tiny/llama.yaml")
+CPU = get_gpu("cpu")
+
+
+def _tiny(path, *overrides):
+    return load_config(path, list(overrides))
+
+
+def _batch(cfg):
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_length), generator=g)
+    return {"tokens": tokens, "labels": tokens.roll(-1, dims=1)}
+
+
+def _build(cfg, group=None, **kwargs):
+    dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
+    torch.manual_seed(0)
+    model = LanguageModel(cfg.model, group, sequence_parallel=cfg.parallel.sequence_parallel, dtype=dtype, **kwargs)
+    for param in model.parameters():
+        param.data.normal_(0.0, 0.02)
+    return model.train()
+
+
+def _saved_bytes(model, batch) -> int:
+    """Bytes of the distinct storages autograd keeps for backward, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(None, batch)
+    return sum(kept.values())
+
+
+@pytest.fixture
+def fake_tp(monkeypatch):
+    """A TP group of any size inside one process: its size and rank are faked and every TP collective is
+    skipped, so a rank's tensors get their real shapes (their values are meaningless)."""
+    group, size = object(), {}
+    real_size, real_rank = dist.get_world_size, dist.get_rank
+    monkeypatch.setattr(dist, "get_world_size", lambda g=None: size["tp"] if g is group else real_size(g))
+    monkeypatch.setattr(dist, "get_rank", lambda g=None: 0 if g is group else real_rank(g))
+    monkeypatch.setattr(comm, "all_gather_flat", lambda out, inp, group=None: out.zero_())
+    monkeypatch.setattr(comm, "reduce_scatter_flat", lambda out, inp, group=None: out.zero_())
+
+    def make(tp):
+        size["tp"] = tp
+        return group
+
+    with comm.tp_all_reduces_disabled():
+        yield make
+
+
+# ----- activations: estimate vs what autograd saves ------------------------------------------------------
+@pytest.mark.parametrize("path,overrides", [
+    (GPT, ()), (LLAMA, ()), (GPT, ("train.bf16=true",)), (LLAMA, ("train.bf16=true",)),
+    (GPT, ("model.recompute=selective",)), (GPT, ("model.recompute=full",)), (LLAMA, ("model.recompute=full",)),
+    (GPT, ("model.hidden_dropout=0.1",)), (GPT, ("model.position_embedding=rope",)),
+    (LLAMA, ("model.num_query_groups=8", "train.bf16=true", "model.recompute=full")),
+])
+def test_activation_estimate_matches_saved_tensors(path, overrides):
+    cfg = _tiny(path, *overrides)
+    model = _build(cfg)
+    measured = _saved_bytes(model, _batch(cfg))
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+    estimate = chunk_activation_bytes(cfg, CPU, cfg.model.num_layers, True, True) * tokens
+    assert estimate == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.parametrize("path,tp,overrides", [
+    (GPT, 2, ()), (LLAMA, 4, ()), (LLAMA, 2, ("train.bf16=true", "model.recompute=full")),
+    (GPT, 2, ("parallel.domino=false", "parallel.sequence_parallel=true")),
+    (LLAMA, 4, ("parallel.domino=false", "parallel.sequence_parallel=true", "train.bf16=true")),
+    (GPT, 2, ("parallel.domino=false", "parallel.sequence_parallel=true", "model.hidden_dropout=0.1")),
+])
+def test_activation_estimate_of_one_tensor_parallel_rank(fake_tp, path, tp, overrides):
+    cfg = _tiny(path, f"parallel.tp={tp}", *overrides)
+    seed_streams(1)
+    model = _build(cfg, fake_tp(tp), plan=DominoPlan.from_config(cfg.parallel))
+    measured = _saved_bytes(model, _batch(cfg))
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+    assert chunk_activation_bytes(cfg, CPU, cfg.model.num_layers, True, True) * tokens == pytest.approx(
+        measured, rel=0.05)
+
+
+# ----- parameters per pipeline rank vs the stages the trainer builds ----------------------------------
+@pytest.mark.parametrize("path,tp,pp,v", [(GPT, 1, 2, 1), (GPT, 2, 2, 2), (LLAMA, 4, 4, 1), (LLAMA, 1, 1, 1)])
+def test_rank_parameters_match_built_stages(fake_tp, path, tp, pp, v):
+    cfg = _tiny(path, f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.virtual_pp={v}")
+    group = fake_tp(tp) if tp > 1 else None
+    partition, stages = layer_partition(cfg), pp * v
+    for rank, estimate in enumerate(rank_parameters(cfg)):
+        held = 0
+        for chunk in range(v):
+            stage = virtual_stage(rank, chunk, pp)
+            model = LanguageModel(cfg.model, group, layer_ids=partition[stage], pre_process=stage == 0,
+                                  post_process=stage == stages - 1)
+            held += sum(p.numel() for p in model.parameters())
+        assert estimate == held
+
+
+# ----- the whole step: static state exactly, peak within 20% -----------------------------------------
+class _MallocPeak(TorchDispatchMode):
+    """Largest number of bytes malloc has handed out, sampled after every torch op of the region."""
+
+    def __init__(self, in_use):
+        super().__init__()
+        self.in_use, self.peak = in_use, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.in_use())
+        return out
+
+
+def _malloc_in_use():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        pytest.skip("needs glibc >= 2.33 (mallinfo2) to read the allocated bytes")
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+    mallinfo2.restype = MallInfo2
+    return lambda: (lambda info: info.uordblks + info.hblkhd)(mallinfo2())
+
+
+@pytest.mark.parametrize("path,overrides", [(GPT, ()), (LLAMA, ()), (GPT, ("model.recompute=full",)),
+                                            (LLAMA, ("train.micro_batch_size=8",))])
+def test_estimate_matches_a_real_cpu_training_step(path, overrides):
+    """Adam on one process (tp = pp = dp = 1, fp32): gradients stay allocated between steps (as the
+    trainer's buffers do), so the second step shows the steady-state peak."""
+    in_use = _malloc_in_use()
+    cfg = _tiny(path, *overrides)
+    model = _build(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = _batch(cfg)
+
+    def step():
+        model(None, batch).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    step()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    states = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                 if t.dim() > 0)
+    before = in_use()
+    with _MallocPeak(in_use) as probe:
+        step()
+    dynamic = probe.peak - before
+
+    est = estimate_memory(cfg, 1, CPU)
+    assert (est.params, est.grads, est.optimizer) == pytest.approx((params, grads, states), rel=1e-6)
+    assert est.activations + est.transient == pytest.approx(dynamic, rel=0.2)
+    assert est.total == pytest.approx(params + grads + states + dynamic, rel=0.2)
+
+
+# ----- schedules: in-flight micro-batches and the bubble vs the simulator -----------------------------
+@pytest.mark.parametrize("pp,m,v", [(4, 8, 1), (4, 2, 1), (2, 4, 2), (4, 12, 3), (4, 4, 2)])
+def test_in_flight_and_bubble_match_the_simulator(pp, m, v):
+    cfg = _tiny(GPT, f"parallel.pp={pp}", f"parallel.virtual_pp={v}", "model.num_layers=12",
+                f"train.global_batch_size={2 * m}")
+    kind = "1f1b" if v == 1 else "interleaved"
+    simulated = simulate(build_schedule(kind, pp, m, v), m, v, Costs(forward=1 / v, backward=2 / v))
+    assert in_flight(cfg, 1) == simulated.max_in_flight
+    free_links = replace(CPU, intra_node_gbps=1e12, inter_node_gbps=1e12)
+    time = estimate_step_time(cfg, 1, free_links, 8)
+    assert time.bubble / time.compute == pytest.approx(simulated.makespan / (3 * m) - 1, rel=1e-3)
+
+
+# ----- step time: compute and TP communication from first principles ----------------------------------
+def test_compute_time_is_megatrons_flop_count_at_the_assumed_efficiency():
+    cfg = load_config(os.path.join(ROOT, "configs/gpt/1.3b.yaml"), ["model.vocab_size=51200"])
+    m, gpu = cfg.model, get_gpu("h100-80gb")
+    L, h, s, V = m.num_layers, m.hidden_size, m.seq_length, m.vocab_size
+    per_token = 72 * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))  # Narayanan et al. 2021, eq. (3) / tokens
+    expected = per_token * cfg.train.global_batch_size * s / (gpu.peak_tflops * 1e12 * 0.5)
+    assert estimate_step_time(cfg, 1, gpu, 8).compute == pytest.approx(expected, rel=1e-9)
+
+
+def test_tp_communication_ring_cost_link_choice_and_domino_share():
+    base = load_config(os.path.join(ROOT, "configs/gpt/13b.yaml"),
+                       ["parallel.domino=false", "train.micro_batch_size=2"])
+    gpu = get_gpu("h100-80gb")
+    m, layers, tokens = base.train.global_batch_size // 2, base.model.num_layers, 2 * base.model.seq_length
+    all_reduce = 2 * 7 / 8 * tokens * base.model.hidden_size * 2  # bf16 bytes moved per rank, ring over 8
+    sync = estimate_step_time(base, 1, gpu, 8)
+    assert sync.tp_exposed == pytest.approx(m * layers * 4 * all_reduce / 450e9, rel=1e-9)
+    across = estimate_step_time(base, 1, gpu, 4)  # 4 GPUs per node: the TP group of 8 spans two nodes
+    assert across.tp_exposed == pytest.approx(sync.tp_exposed * 450 / 50, rel=1e-9)
+    domino = estimate_step_time(replace(base, parallel=replace(base.parallel, domino=True)), 1, gpu, 8)
+    assert domino.tp_exposed == pytest.approx(0.1 * sync.tp_exposed) and domino.tp_hidden > 0
+
+
+def test_dp_reduction_volume_link_and_overlap():
+    cfg = load_config(os.path.join(ROOT, "configs/gpt/1.3b.yaml"), ["optimizer.zero_stage=0",
+                                                                     "optimizer.overlap_grad_reduce=false"])
+    gpu, dp = get_gpu("h100-80gb"), 16  # tp = pp = 1: the DP group of 16 spans two 8-GPU nodes
+    params = rank_parameters(cfg)[0]
+    plain = estimate_step_time(cfg, dp, gpu, 8)
+    assert plain.dp_exposed == pytest.approx(2 * 15 / 16 * 4 * params / 50e9, rel=1e-9)
+    sharded = replace(cfg, optimizer=replace(cfg.optimizer, zero_stage=1))  # fp32 grads scattered, bf16 gathered
+    assert estimate_step_time(sharded, dp, gpu, 8).dp_exposed == pytest.approx(15 / 16 * 6 * params / 50e9, rel=1e-9)
+    overlapped = replace(cfg, optimizer=replace(cfg.optimizer, overlap_grad_reduce=True))
+    assert estimate_step_time(overlapped, dp, gpu, 8).dp_exposed < plain.dp_exposed
+
+
+# ----- the search and the published layouts ----------------------------------------------------------
+def test_every_ranked_layout_is_valid_and_ranking_puts_fitting_fast_ones_first():
+    cfg = _tiny(GPT)
+    ranked = rank_layouts(cfg, CPU, nodes=1, gpus_per_node=8)
+    assert {(e.layout.tp, e.layout.pp) for e in ranked} >= {(1, 1), (2, 2), (4, 2), (2, 4)}
+    for est in ranked:
+        validate_config(est.layout.apply(cfg), world_size=8, check_paths=False)
+    for est in ranked[:3]:  # what --emit prints goes through the loader too
+        assert load_config(GPT, est.layout.overrides()) == est.layout.apply(cfg)
+    fitting = [e for e in ranked if e.fits]
+    assert ranked[:len(fitting)] == fitting
+    times = [float(f"{e.time.total:.3g}") for e in fitting]
+    assert times == sorted(times)
+
+
+def test_an_invalid_layout_is_never_suggested():
+    cfg = _tiny(GPT)  # 4 heads: tp 8 cannot divide them; 4 layers: pp 8 cannot hold them
+    layouts = {(e.layout.tp, e.layout.pp) for e in rank_layouts(cfg, CPU, nodes=2, gpus_per_node=8)}
+    assert all(tp <= 4 and pp <= 4 for tp, pp in layouts)
+
+
+def _fits(cfg, gpu, world, **only):
+    ranked = rank_layouts(cfg, gpu, nodes=world // 8, gpus_per_node=8, only={k: [v] for k, v in only.items()})
+    assert ranked, f"no valid layout with {only}"
+    return any(e.fits for e in ranked)
+
+
+def test_published_layouts_are_feasible_and_impossible_ones_are_not():
+    h100 = get_gpu("h100-80gb")
+    gpt175 = load_config(os.path.join(ROOT, "configs/gpt/175b.yaml"))
+    llama70 = load_config(os.path.join(ROOT, "configs/llama/llama2-70b.yaml"))
+    # Megatron-LM's GPT-3 175B recipe (examples/gpt3/train_gpt3_175b_distributed.sh): TP 8, PP 16, micro batch 1
+    assert evaluate(gpt175, Layout(8, 16, 1, 1, 1, "none", 1, False, True), h100, 8).fits
+    assert _fits(llama70, h100, 64, tp=8, pp=2)
+    assert _fits(llama70, h100, 64, tp=4, pp=4)  # NeMo's Llama-2 70B recipe (launcher conf llama2_70b.yaml)
+    assert not _fits(llama70, h100, 64, tp=1, pp=1)  # 140 GB of bf16 weights alone
+    assert not _fits(gpt175, h100, 128, tp=8, pp=1)
+
+
+def test_plan_cli_prints_a_table_and_emits_a_loadable_layout(capsys):
+    spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(ROOT, "tools/plan.py"))
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    assert plan.main(["--model", "tiny-gpt", "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "4", "--top", "3"]) == 0
+    table = capsys.readouterr().out
+    rows = [line for line in table.splitlines() if line[:4].strip().isdigit() and " | " in line]
+    assert "valid layouts" in table and len(rows) == 3
+    assert plan.main(["--model", "tiny-gpt", "--gpu", "cpu", "--gpus-per-node", "4", "--tp", "2", "--emit"]) == 0
+    overrides = capsys.readouterr().out.split()
+    assert "parallel.tp=2" in overrides
+    validate_config(load_config(GPT, overrides), world_size=4, check_paths=False)
+    assert plan.main(["--model", "no-such-model"]) == 2

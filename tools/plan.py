@@ -1,0 +1,136 @@
+"""The parallelism planner: every valid (tp, pp, dp, virtual pp, micro batch, recompute, ZeRO) layout for a
+cluster, with its per-GPU memory and step time, ranked fastest first among those that fit.
+
+    python tools/plan.py --model gpt3-175b --gpu h100-80gb --nodes 16 --gpus-per-node 8
+        [--seq-length 2048] [--global-batch 1536] [--top 10] [--emit] [--tp 8] [--pp 8,16] [key=value ...]
+
+--model takes a config file or a size name (gpt3-175b, llama2-70b, tiny-gpt, ... as listed by --help).
+--emit prints only the best layout, as overrides for pretrain_gpt.py / pretrain_llama.py. The
+assumptions behind the numbers are in megatron_domino/planner/{memory,timing}.py.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+sys.path.insert(0, ROOT)
+
+from megatron_domino.config import ConfigError, load_config  # noqa: E402
+from megatron_domino.models.counters import count_parameters  # noqa: E402
+from megatron_domino.planner.hardware import GPUS, get_gpu  # noqa: E402
+from megatron_domino.planner.report import format_table  # noqa: E402
+from megatron_domino.planner.search import first_valid, rank_layouts  # noqa: E402
+from megatron_domino.planner.timing import TimingAssumptions  # noqa: E402
+
+_FAMILY_PREFIX = {"gpt": "gpt3-", "llama": "", "tiny": "tiny-"}
+
+
+def model_names() -> dict[str, str]:
+    """Size name -> config file: configs/gpt/175b.yaml is gpt3-175b, configs/llama/llama2-70b.yaml llama2-70b."""
+    names = {}
+    for family, prefix in _FAMILY_PREFIX.items():
+        for path in sorted(glob.glob(os.path.join(ROOT, "configs", family, "*.yaml"))):
+            stem = os.path.splitext(os.path.basename(path))[0]
+            if stem != "base":
+                names[prefix + stem] = path
+    return names
+
+
+def resolve_model(text: str) -> str:
+    if os.path.isfile(text):
+        return text
+    names = model_names()
+    if text.lower() in names:
+        return names[text.lower()]
+    raise ConfigError("--model", text, "is neither a config file nor a known size name",
+                      f"give a path, or one of {', '.join(names)}")
+
+
+def _list(kind):
+    return lambda text: [kind(item) for item in text.split(",")]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="size names: " + ", ".join(model_names()))
+    p.add_argument("--model", required=True, help="config file or size name")
+    p.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(GPUS)}")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--seq-length", type=int, help="default: the config's model.seq_length")
+    p.add_argument("--global-batch", type=int, help="default: the config's train.global_batch_size")
+    p.add_argument("--top", type=int, default=10, help="rows to print")
+    p.add_argument("--emit", action="store_true", help="print the best layout as config overrides and exit")
+    p.add_argument("--efficiency", type=float, default=TimingAssumptions.efficiency,
+                   help="achieved share of peak FLOP/s")
+    p.add_argument("--domino-hidden", type=float, default=TimingAssumptions.domino_hidden,
+                   help="share of TP communication Domino's row split hides")
+    p.add_argument("--domino-column-hidden", type=float, default=TimingAssumptions.domino_column_hidden,
+                   help="share the column split hides (what micro batch 1 runs)")
+    p.add_argument("--overhead-gib", type=float, help="fixed per-GPU overhead (default: the GPU's entry)")
+    p.add_argument("--tp", type=_list(int), help="only these tp sizes (comma-separated)")
+    p.add_argument("--pp", type=_list(int), help="only these pp sizes")
+    p.add_argument("--vpp", type=_list(int), help="only these virtual pp sizes")
+    p.add_argument("--mbs", type=_list(int), help="only these micro batch sizes")
+    p.add_argument("--recompute", type=_list(str), help="only these: none,selective,full")
+    p.add_argument("--zero", type=_list(int), help="only these ZeRO stages")
+    p.add_argument("--tp-comm", type=_list(str), help="only these: domino,sp")
+    p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
+    return p.parse_args(argv)
+
+
+def _filters(args) -> dict:
+    only = {"tp": args.tp, "pp": args.pp, "virtual_pp": args.vpp, "micro_batch": args.mbs,
+            "recompute": args.recompute, "zero_stage": args.zero}
+    only = {key: value for key, value in only.items() if value is not None}
+    if args.tp_comm is not None:
+        only["sequence_parallel"] = {mode == "sp" for mode in args.tp_comm}
+    return only
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        path = resolve_model(args.model)
+        cfg = load_config(path, args.overrides)
+        extra = []
+        if args.seq_length is not None:
+            extra.append(f"model.seq_length={args.seq_length}")
+            if cfg.model.position_embedding == "learned" and args.seq_length > cfg.model.max_positions:
+                extra.append(f"model.max_position_embeddings={args.seq_length}")  # a longer learned table
+        if args.global_batch is not None:
+            extra.append(f"train.global_batch_size={args.global_batch}")
+        cfg = load_config(path, [*args.overrides, *extra])
+        gpu = get_gpu(args.gpu).with_overhead(args.overhead_gib)
+    except (ConfigError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    assumptions = TimingAssumptions(args.efficiency, args.domino_hidden, args.domino_column_hidden)
+    estimates = rank_layouts(cfg, gpu, args.nodes, args.gpus_per_node, assumptions, _filters(args))
+    if args.emit:
+        best = first_valid(cfg, (e for e in estimates if e.fits), 1)
+        if not best:
+            print("error: no valid layout fits in memory; run without --emit to see the nearest misses",
+                  file=sys.stderr)
+            return 1
+        print(" ".join(best[0].layout.overrides()))
+        return 0
+    world = args.nodes * args.gpus_per_node
+    params = count_parameters(cfg.model)
+    size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    print(f"model {os.path.relpath(path, ROOT)}: {size} parameters, "
+          f"seq {cfg.model.seq_length}, global batch {cfg.train.global_batch_size}, "
+          f"{'bf16' if cfg.train.bf16 else 'fp16' if cfg.train.fp16 else 'fp32'}")
+    print(f"cluster: {world} x {gpu.name} ({args.nodes} nodes x {args.gpus_per_node}), "
+          f"{gpu.memory_gib:.1f} GiB each, {gpu.overhead_gib:.1f} GiB overhead; "
+          f"efficiency {assumptions.efficiency:.2f}, "
+          f"Domino hides {assumptions.domino_hidden:.2f} (row) / {assumptions.domino_column_hidden:.2f} (column)")
+    print(format_table(estimates, first_valid(cfg, estimates, args.top)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
