@@ -39,7 +39,7 @@ def _row(text: str, rank: int) -> list[str]:
 
 
 def test_dry_run_of_a_1024_gpu_layout_on_one_cpu_process(no_collectives):
-    cfg = load_config(os.path.join(ROOT, "configs/gpt/175b.yaml"), ["train.micro_batch_size=1"])
+    cfg = load_config(os.path.join(ROOT, "configs/gpt/175b.yaml"))
     text = dry_run(cfg, 1024)
     assert "1024 ranks on 128 node(s) x 8" in text and "world 1024 = tp 8 x pp 16 x dp 8" in text
     rows = [line.split() for line in text.splitlines() if re.match(r"^ *\d+ +node", line)]
@@ -162,8 +162,7 @@ def test_slurm_template_submits_only_after_the_dry_run_and_runs_srun_inside_the_
     assert [c[0] for c in calls] == ["python", "srun"]
     assert calls[0][6] == "128"
     assert calls[1][1] == "--kill-on-bad-exit=1"
-    assert calls[1][3:] == ["pretrain_gpt.py", "--config", "configs/gpt/175b.yaml", "train.micro_batch_size=1",
-                            "train.steps=5"]
+    assert calls[1][3:] == ["pretrain_gpt.py", "--config", "configs/gpt/175b.yaml", "train.steps=5"]
 
 
 def test_a_failing_dry_run_stops_the_launch(stubs):
