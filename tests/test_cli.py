@@ -1,0 +1,37 @@
+"""The entry points' command line: config errors before any process group, schedule printing, dry run."""
+import subprocess
+import sys
+
+from tests.training_runs import REPO
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "pretrain_gpt.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_bad_config_exits_2_naming_key_value_rule_and_fix():
+    result = _run("--config", "configs/tiny/gpt.yaml", "parallel.tp=3")
+    assert result.returncode == 2
+    assert "parallel.tp" in result.stderr and "Fix:" in result.stderr
+    typo = _run("--config", "configs/tiny/gpt.yaml", "train.step=3")
+    assert typo.returncode == 2 and "did you mean 'steps'" in typo.stderr
+
+
+def test_print_schedule_shows_every_pipeline_rank():
+    result = _run("--config", "configs/tiny/gpt.yaml", "--print-schedule", "parallel.pp=4", "parallel.dp=1",
+                  "--world-size", "4")
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("rank ") and " | " in line]
+    assert len(rows) == 4 and "F0" in rows[0] and "B7" in rows[3]
+
+
+def test_dry_run_prints_rank_map_without_a_process_group():
+    result = _run("--config", "configs/gpt/175b.yaml", "--dry-run", "--world-size", "1024")
+    assert result.returncode == 0, result.stderr
+    assert "world 1024 = tp 8 x pp 16 x dp 8" in result.stdout
+
+
+def test_eval_only_without_a_checkpoint_is_refused():
+    result = _run("--config", "configs/tiny/gpt.yaml", "--eval-only", "data.mock=true")
+    assert result.returncode == 2 and "checkpoint.load" in result.stderr
