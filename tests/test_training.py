@@ -2,11 +2,13 @@
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from tests.training_runs import kill_group, losses, metrics, start, train, wait_for_step, worker_pids
+from tests.training_runs import REPO, environment, kill_group, losses, metrics, start, train, wait_for_step, worker_pids
 
 TOL = 1e-5
 LAYOUT_222 = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "parallel.domino=true"]
@@ -135,3 +137,38 @@ def test_eval_only_writes_validation_loss(tmp_path):
     with pytest.raises(AssertionError, match="model.num_layers: checkpoint 4 vs config 2"):
         train("gpt", 1, str(tmp_path / "other"), ["--eval-only", f"checkpoint.load={run}/checkpoints",
                                                    "model.num_layers=2"])
+
+
+def test_converted_hf_llama_evaluates_on_four_ranks_as_transformers_does(tmp_path):
+    """HF Llama (GQA, untied, Llama-3.1 RoPE) -> hf-to-native at tp2 pp2 -> --eval-only on 4 ranks = HF's loss."""
+    transformers = pytest.importorskip("transformers")
+    from megatron_domino.config import load_config
+    from megatron_domino.convert.convert import hf_to_native
+    from megatron_domino.data import build_train_valid_test_datasets
+    torch.manual_seed(1)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=0, rope_parameters={"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0,
+                                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 16})).eval()
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    native = str(tmp_path / "native")
+    hf_to_native(str(tmp_path / "hf"), native, tp=2, pp=2, quiet=True)
+    overrides = ["--eval-only", "train.micro_batch_size=2", "train.global_batch_size=4", "train.eval_iters=1",
+                 "data.mock=true", "data.split=50,50,0", f"log.dir={tmp_path}/eval", "log.tensorboard=false",
+                 "optimizer.warmup_steps=0", "parallel.domino=true", "parallel.dp=1"]
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                             os.path.join(REPO, "pretrain_llama.py"), "--config", f"{native}/config.yaml", *overrides],
+                            cwd=REPO, env=environment(), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ours = metrics(str(tmp_path / "eval"), "valid")[0]["loss"]
+    cfg = load_config(f"{native}/config.yaml", [o for o in overrides if "=" in o])
+    _, valid, _ = build_train_valid_test_datasets(cfg, (4, 4, 0))
+    batch = [valid[i] for i in range(4)]
+    tokens = torch.stack([s["tokens"] for s in batch])
+    labels = torch.stack([s["labels"] for s in batch])
+    with torch.no_grad():
+        logits = hf(tokens).logits
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)).item()
+    assert abs(ours - expected) <= 1e-5 * expected, (ours, expected)
