@@ -125,7 +125,8 @@ class LanguageModel(nn.Module):
     def _run_layers(self, hidden: torch.Tensor, batch: dict) -> torch.Tensor:
         if not len(self.layers):
             return hidden
-        rows, columns = self.plan.split_for(hidden.shape[0])
+        asynchronous = self.plan.enabled and self.tp > 1  # with one TP rank there is nothing to overlap
+        rows, columns = self.plan.split_for(hidden.shape[0]) if asynchronous else (1, 1)
         rotary = None
         if self.cfg.position_embedding == "rope":
             rotary = rotary_tables(self._position_ids(batch, hidden.shape[0]), self.inv_freq)
@@ -134,6 +135,6 @@ class LanguageModel(nn.Module):
         chunks = [hidden[idx[0]:idx[-1] + 1] for idx in chunk_bounds]
         contexts = [(None if rotary is None else tuple(t[idx[0]:idx[-1] + 1] for t in rotary),
                      None if mask is None else mask[idx[0]:idx[-1] + 1]) for idx in chunk_bounds]
-        chunks = run_blocks(self.layers, chunks, contexts, asynchronous=self.plan.enabled and self.tp > 1,
+        chunks = run_blocks(self.layers, chunks, contexts, asynchronous=asynchronous,
                             column_pieces=columns, overlap=self.plan.overlap)
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=0)

@@ -184,29 +184,34 @@ class ScatterToSequenceParallel(torch.autograd.Function):
         return _gather_sequence(grad, ctx.group), None
 
 
+def _apply(function, x, group):
+    """Run a TP communication function; with one TP rank every one of them is the identity."""
+    return x if group_size(group) == 1 else function.apply(x, group)
+
+
 def copy_to_tp(x, group):
-    return CopyToTensorParallel.apply(x, group)
+    return _apply(CopyToTensorParallel, x, group)
 
 
 def reduce_from_tp(x, group):
-    return ReduceFromTensorParallel.apply(x, group)
+    return _apply(ReduceFromTensorParallel, x, group)
 
 
 def scatter_to_tp(x, group):
-    return ScatterToTensorParallel.apply(x, group)
+    return _apply(ScatterToTensorParallel, x, group)
 
 
 def gather_from_tp(x, group):
-    return GatherFromTensorParallel.apply(x, group)
+    return _apply(GatherFromTensorParallel, x, group)
 
 
 def gather_from_sp(x, group):
-    return GatherFromSequenceParallel.apply(x, group)
+    return _apply(GatherFromSequenceParallel, x, group)
 
 
 def reduce_scatter_to_sp(x, group):
-    return ReduceScatterToSequenceParallel.apply(x, group)
+    return _apply(ReduceScatterToSequenceParallel, x, group)
 
 
 def scatter_to_sp(x, group):
-    return ScatterToSequenceParallel.apply(x, group)
+    return _apply(ScatterToSequenceParallel, x, group)

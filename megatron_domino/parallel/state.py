@@ -108,6 +108,16 @@ def is_initialized() -> bool:
     return _current is not None
 
 
+def detach() -> ParallelState | None:
+    """Stop treating the current state as current without destroying its groups (the caller owns them now).
+
+    Lets one process keep several states alive, e.g. a benchmark holding one trainer per mode.
+    """
+    global _current
+    state, _current = _current, None
+    return state
+
+
 def destroy() -> None:
     global _current
     if _current is not None:

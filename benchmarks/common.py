@@ -1,0 +1,144 @@
+"""What every harness shares: the benchmark GPT's config, launching ranks (optionally on a throttled link),
+keeping several Trainers alive in one process group, and the printed table / JSON output.
+
+Each harness is one script that is both the driver (run it plainly: it starts its own torchrun jobs, inside
+``throttled.sh`` when a link rate is given) and the worker (``--worker``, what those jobs run), so a clean
+clone measures everything with one command.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # a clean clone need not be pip-installed
+    sys.path.insert(0, REPO)
+
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+BASE_CONFIG = os.path.join(REPO, "configs", "tiny", "gpt.yaml")
+NETEM = os.path.join(os.path.dirname(REPO), "shared", "netem", "throttled.sh")
+# Synthetic tokens (no corpus), no files beyond the run directory, no dropout (timings must not depend on masks).
+COMMON_OVERRIDES = ["data.mock=true", "tokenizer.type=NullTokenizer", "tokenizer.model=null",
+                    "log.tensorboard=false", "checkpoint.dir=null", "checkpoint.save_at_end=false",
+                    "model.attention_dropout=0.0", "model.hidden_dropout=0.0", "model.ffn_hidden_size=null",
+                    "optimizer.warmup_steps=0", "train.steps=100000"]
+
+
+def add_model_args(parser, *, hidden: int, heads: int, layers: int, seq: int, micro_batch: int,
+                   vocab: int = 1024, bf16: bool = False) -> None:
+    group = parser.add_argument_group("model (a GPT: learned positions, LayerNorm, GeLU MLP of 4h, tied head)")
+    group.add_argument("--hidden", type=int, default=hidden)
+    group.add_argument("--heads", type=int, default=heads)
+    group.add_argument("--layers", type=int, default=layers)
+    group.add_argument("--seq", type=int, default=seq)
+    group.add_argument("--micro-batch", type=int, default=micro_batch)
+    group.add_argument("--vocab", type=int, default=vocab)
+    group.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=bf16,
+                       help=f"bf16 weights and activations, fp32 masters (default {'bf16' if bf16 else 'fp32'})")
+    group.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1: 2 shared cores)")
+
+
+MODEL_FLAGS = ("hidden", "heads", "layers", "seq", "micro_batch", "vocab", "bf16", "threads")
+
+
+def model_overrides(args, run_name: str) -> list[str]:
+    """Config overrides for the benchmark GPT described by ``args`` (see add_model_args)."""
+    return COMMON_OVERRIDES + [
+        f"model.hidden_size={args.hidden}", f"model.num_attention_heads={args.heads}",
+        f"model.num_layers={args.layers}", f"model.seq_length={args.seq}",
+        f"model.max_position_embeddings={args.seq}", f"model.vocab_size={args.vocab}",
+        f"train.micro_batch_size={args.micro_batch}", f"train.bf16={'true' if args.bf16 else 'false'}",
+        f"log.dir={os.path.join(REPO, 'runs', 'benchmarks', run_name)}"]
+
+
+def load_benchmark_config(overrides: list[str]):
+    from megatron_domino.config import load_config
+    return load_config(BASE_CONFIG, overrides)
+
+
+def forward_flags(args, names) -> list[str]:
+    """``args``' values of ``names`` as command-line flags again (driver -> worker)."""
+    flags = []
+    for name in names:
+        value = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+# ----- launching ----------------------------------------------------------------------------------
+def launch(script: str, nproc: int, flags: list[str], rate: str | None = None, netem: str = NETEM,
+           timeout: float | None = None) -> None:
+    """Run ``script --worker flags`` on ``nproc`` ranks (torchrun; a bare process for 1), on a loopback
+    throttled to ``rate`` (e.g. "1gbit") when given. Output streams through; a failure raises."""
+    command = [sys.executable, script, "--worker", *flags]
+    if nproc > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   script, "--worker", *flags]
+    if rate:
+        if not os.path.exists(netem):
+            raise SystemExit(f"--netem {netem}: not found. Fix: pass the path of shared/netem/throttled.sh, "
+                             f"or --rates none to run on the raw loopback (no overlap can be seen there).")
+        command = ["bash", netem, "--rate", rate, "--", *command]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
+    print(f"$ {shlex.join(command)}", flush=True)
+    result = subprocess.run(command, cwd=REPO, env=env, timeout=timeout)
+    if result.returncode != 0:
+        raise SystemExit(f"benchmark job failed with status {result.returncode}: {shlex.join(command)}")
+
+
+# ----- several Trainers in one process group ------------------------------------------------------
+def build_trainer(cfg, quiet: bool = True):
+    """A Trainer whose process groups survive the construction of the next one.
+
+    ``Trainer.__init__`` makes its ParallelState the process-wide current one, and initialising the next
+    Trainer destroys the current one's groups. The model code gets its groups passed explicitly, so a
+    detached state keeps working.
+    """
+    from megatron_domino.parallel import state as parallel_state
+    from megatron_domino.training.trainer import Trainer
+    quieted = contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext()
+    with quieted:  # each Trainer prints the rank map again
+        trainer = Trainer(cfg)
+    parallel_state.detach()
+    return trainer
+
+
+def close_trainer(trainer) -> None:
+    trainer.close()  # its state is detached, so close() leaves the groups alone
+    trainer.state.destroy()
+
+
+# ----- output -------------------------------------------------------------------------------------
+def format_table(headers: list[str], rows: list[list]) -> str:
+    """A right-aligned text table (first column left-aligned); floats are printed as given by the caller."""
+    cells = [[str(c) for c in row] for row in [headers, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = []
+    for index, row in enumerate(cells):
+        parts = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        lines.append("  ".join(parts).rstrip())
+        if index == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_json(path: str, data) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    return path
+
+
+def read_json(path: str):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

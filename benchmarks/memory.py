@@ -1,0 +1,176 @@
+"""Memory per rank by category, measured, beside the planner's estimate for the same config.
+
+    python benchmarks/memory.py          # ZeRO 0/1/2 at dp = 4, then recompute none/full/selective at dp = 1
+
+Every configuration is its own job (4 ranks under torchrun, or one bare process), so each peak RSS
+belongs to one configuration. Per rank, after a few training steps:
+  params       bytes of this rank's weights
+  grads        gradient buffers and shards (optimizer.memory_report), the larger of their size at the end
+               of backward (ZeRO-2 holds every bucket then) and after the step
+  optimizer    Adam's moments, plus the fp32 masters when weights are 16-bit (fp32 weights are their own)
+  activations  the peak of what autograd saved for backward, per storage (views count once, weights not),
+               seen through torch.autograd.graph.saved_tensors_hooks
+  peak RSS     the process's peak resident set, and its growth over the RSS before the Trainer was built
+               (which adds transients, allocator slack and gloo buffers to the categories)
+The planner's columns are megatron_domino.planner.memory.estimate_stages for the same config on its "cpu"
+device (no fixed overhead).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+
+from common import (MODEL_FLAGS, RESULTS, add_model_args, build_trainer, close_trainer, format_table, forward_flags,
+                    launch, load_benchmark_config, model_overrides, read_json, write_json)
+
+MIB = 2**20
+ZERO_RUNS = [(stage, "none", 4) for stage in (0, 1, 2)]  # (zero stage, recompute, ranks = dp)
+RECOMPUTE_RUNS = [(0, mode, 1) for mode in ("none", "full", "selective")]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser, hidden=512, heads=8, layers=4, seq=256, micro_batch=4, bf16=True)
+    parser.add_argument("--microbatches", type=int, default=2, help="micro-batches per step per DP rank")
+    parser.add_argument("--steps", type=int, default=2, help="training steps before reading the sizes")
+    parser.add_argument("--json", default=os.path.join(RESULTS, "memory.json"))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--zero", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--recompute", default="none", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+class SavedActivations:
+    """Live bytes autograd keeps for backward, per storage, and their peak; parameters are not counted."""
+
+    def __init__(self, params):
+        self.skip = {p.untyped_storage().data_ptr() for p in params}
+        self.refs: dict[int, list] = {}  # storage address -> [references, bytes]
+        self.live = self.peak = 0
+
+    def pack(self, tensor):
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.skip or storage.nbytes() == 0:
+            return tensor
+        entry = self.refs.setdefault(key, [0, storage.nbytes()])
+        if entry[0] == 0:
+            self.live += entry[1]
+            self.peak = max(self.peak, self.live)
+        entry[0] += 1
+        return _Held(tensor, self, key)
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+    def release(self, key: int) -> None:
+        entry = self.refs[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self.refs[key]
+
+
+class _Held:
+    """A saved tensor; autograd drops it after the backward that used it, which releases its bytes."""
+
+    __slots__ = ("tensor", "owner", "key")
+
+    def __init__(self, tensor, owner: SavedActivations, key: int):
+        self.tensor, self.owner, self.key = tensor, owner, key
+
+    def __del__(self):
+        self.owner.release(self.key)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron_domino.planner.hardware import get_gpu
+    from megatron_domino.planner.memory import estimate_stages
+    torch.set_num_threads(args.threads)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    baseline = rss_bytes()
+    overrides = model_overrides(args, f"memory/zero{args.zero}-{args.recompute}") + [
+        "parallel.tp=1", "parallel.pp=1", "parallel.domino=false", f"optimizer.zero_stage={args.zero}",
+        f"model.recompute={args.recompute}", f"train.global_batch_size={args.micro_batch * world * args.microbatches}"]
+    cfg = load_benchmark_config(overrides)
+    trainer = build_trainer(cfg)
+    params = [p for chunk in trainer.chunks for p in chunk.parameters()]
+    saved = SavedActivations(params)
+    optimizer, grad_peak = trainer.optimizer, [0]
+    finish = optimizer.finish_grad_sync
+
+    def sampled_finish():
+        grad_peak[0] = max(grad_peak[0], optimizer.memory_report()["grad_bytes"])
+        finish()
+
+    optimizer.finish_grad_sync = sampled_finish
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        for _ in range(args.steps):
+            trainer.train_step()
+    report = optimizer.memory_report()
+    weights_are_masters = trainer.dtype == torch.float32
+    mine = {"rank": dist.get_rank(), "params_bytes": sum(p.numel() * p.element_size() for p in params),
+            "grads_bytes": max(grad_peak[0], report["grad_bytes"]),
+            "optimizer_bytes": report["optimizer_state_bytes"] + (0 if weights_are_masters else report["master_bytes"]),
+            "activations_bytes": saved.peak,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "baseline_rss_bytes": baseline}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    close_trainer(trainer)
+    if dist.get_rank() == 0:
+        plan = estimate_stages(cfg, world, get_gpu("cpu"))[0]
+        planner = {"params_bytes": plan.params, "grads_bytes": plan.grads, "optimizer_bytes": plan.optimizer,
+                   "activations_bytes": plan.activations, "transient_bytes": plan.transient, "total_bytes": plan.total}
+        write_json(args.json, {"zero_stage": args.zero, "recompute": args.recompute, "dp": world,
+                               "args": vars(args), "ranks": everyone, "planner": planner})
+
+
+def report(runs: list[dict]) -> str:
+    a = runs[0]["args"]
+    mib = lambda value: f"{value / MIB:.1f}"  # noqa: E731
+    rows = []
+    for run in runs:
+        p = run["planner"]
+        for r in run["ranks"]:
+            rows.append([f"zero {run['zero_stage']} dp {run['dp']} recompute {run['recompute']}", r["rank"],
+                         mib(r["params_bytes"]), mib(r["grads_bytes"]), mib(r["optimizer_bytes"]),
+                         mib(r["activations_bytes"]), mib(r["peak_rss_bytes"]),
+                         mib(r["peak_rss_bytes"] - r["baseline_rss_bytes"]),
+                         mib(p["params_bytes"]), mib(p["grads_bytes"]), mib(p["optimizer_bytes"]),
+                         mib(p["activations_bytes"]), mib(p["total_bytes"])])
+    headers = ["config", "rank", "params", "grads", "optim", "act", "peak RSS", "RSS growth",
+               "| plan params", "grads", "optim", "act", "total"]
+    return "\n".join([f"Memory per rank in MiB: GPT hidden {a['hidden']}, layers {a['layers']}, seq {a['seq']}, "
+                      f"micro batch {a['micro_batch']} x {a['microbatches']} per step, "
+                      f"{'bf16 weights, fp32 grads and masters' if a['bf16'] else 'fp32'}, AdamW; "
+                      f"planner total = its categories + transient peaks", format_table(headers, rows)])
+
+
+def drive(args) -> None:
+    shared = forward_flags(args, MODEL_FLAGS + ("microbatches", "steps"))
+    runs = []
+    for zero, recompute, ranks in ZERO_RUNS + RECOMPUTE_RUNS:
+        out = os.path.join(RESULTS, f"memory_zero{zero}_{recompute}_dp{ranks}.json")
+        launch(os.path.abspath(__file__), ranks, shared + ["--zero", str(zero), "--recompute", recompute,
+                                                           "--json", out])
+        runs.append(read_json(out))
+    print(report(runs))
+    print(f"results: {write_json(args.json, {'runs': runs})}")
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    if arguments.worker:
+        worker(arguments)
+    else:
+        drive(arguments)
