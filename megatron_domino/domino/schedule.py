@@ -8,6 +8,8 @@ chunk's pending all-reduce is waited only right before that chunk's next phase n
     each launch overlaps the other chunk's compute, and the last chunk's MLP all-reduce
     of one layer overlaps the first chunk's attention of the next layer.
 
+The embedding's all-reduce (first stage) enters as an in-flight chunk and the output head (last
+stage) runs as a final per-chunk phase, so the first and last all-reduces overlap too.
 Intra-layer mode waits for every chunk at the end of each layer instead. With one chunk and
 Domino off the same loop is Megatron's synchronous TP (the projection reduces in place).
 
@@ -27,6 +29,8 @@ PHASES = ("attention", "mlp")  # the two communicating phases of a block, in ord
 
 @dataclass
 class _InFlight:
+    """A block phase whose projection all-reduce is in flight."""
+
     block: object
     pending: object
     bias: object
@@ -36,36 +40,50 @@ class _InFlight:
         return self.block.residual(self.pending.wait(), self.bias, self.residual)
 
 
-def run_blocks(blocks, chunks: list[torch.Tensor], contexts: list[tuple], *, asynchronous: bool,
-               column_pieces: int = 1, overlap: str = "inter") -> list[torch.Tensor]:
-    """Run ``blocks`` over every chunk; ``contexts[i]`` = (rotary, attention_mask) of chunk i."""
-    chunks = list(chunks)
-    in_flight: list[_InFlight | None] = [None] * len(chunks)
+@dataclass
+class _Ready:
+    value: torch.Tensor
+
+    def finish(self) -> torch.Tensor:
+        return self.value
+
+
+def _phase(block, phase, x, rotary, mask, asynchronous: bool, column_pieces: int):
+    hidden = block.phase_hidden(phase, x, rotary, mask)
+    projection = block.projection(phase)
+    if asynchronous:
+        pending, bias = projection.launch(hidden, column_pieces)
+        return _InFlight(block, pending, bias, x)
+    return _Ready(block.residual(*projection(hidden), x))
+
+
+def run_blocks(blocks, chunks: list, contexts: list[tuple], *, asynchronous: bool, column_pieces: int = 1,
+               overlap: str = "inter", head=None) -> list[torch.Tensor]:
+    """Run ``blocks`` (then ``head(x, chunk_index)``, if given) over every chunk.
+
+    ``chunks[i]`` is a tensor or something still in flight (an object with ``finish()``, such as
+    the embedding's all-reduce); ``contexts[i]`` = (rotary, attention_mask) of chunk i.
+    """
+    pending = [c if hasattr(c, "finish") else _Ready(c) for c in chunks]
     marks = []  # where each (phase, chunk) computation started, in autograd's creation order
+
+    def compute(i: int, function) -> None:
+        x = pending[i].finish()
+        if asynchronous:
+            marks.append(sequence_mark())
+        with recording_gradient_waits() as waits:
+            result = function(x)
+        if asynchronous:  # backward mirrors forward: wait k - 1 computations later
+            defer_waits(waits, marks[max(0, len(marks) - len(pending))])
+        pending[i] = result if hasattr(result, "finish") else _Ready(result)
+
     for block in blocks:
         for phase in PHASES:
             for i, (rotary, mask) in enumerate(contexts):
-                if in_flight[i] is not None:
-                    chunks[i], in_flight[i] = in_flight[i].finish(), None
-                if asynchronous:
-                    marks.append(sequence_mark())
-                with recording_gradient_waits() as waits:
-                    hidden = block.phase_hidden(phase, chunks[i], rotary, mask)
-                if asynchronous:  # backward mirrors forward: wait k - 1 computations later
-                    defer_waits(waits, marks[max(0, len(marks) - len(contexts))])
-                projection = block.projection(phase)
-                if asynchronous:
-                    pending, bias = projection.launch(hidden, column_pieces)
-                    in_flight[i] = _InFlight(block, pending, bias, chunks[i])
-                else:
-                    chunks[i] = block.residual(*projection(hidden), chunks[i])
+                compute(i, lambda x: _phase(block, phase, x, rotary, mask, asynchronous, column_pieces))
         if overlap == "intra":
-            chunks = _finish_all(chunks, in_flight)
-    return _finish_all(chunks, in_flight)
-
-
-def _finish_all(chunks, in_flight):
-    for i, flight in enumerate(in_flight):
-        if flight is not None:
-            chunks[i], in_flight[i] = flight.finish(), None
-    return chunks
+            pending = [_Ready(p.finish()) for p in pending]
+    if head is not None:
+        for i in range(len(pending)):
+            compute(i, lambda x: head(x, i))
+    return [p.finish() for p in pending]

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..domino.async_comm import launch_reduce
 from ..domino.plan import DominoPlan
 from ..domino.schedule import run_blocks
 from ..parallel import comm
@@ -89,23 +90,52 @@ class LanguageModel(nn.Module):
         """First stage: tokens -> hidden. Middle: hidden -> hidden. Last: -> per-token loss [b, s] (fp32).
 
         ``return_logits`` makes the last stage return full-vocabulary logits [b, s, vocab] instead.
+        Under Domino every part runs per mu-chunk, the embedding and the head included, so their
+        all-reduces overlap the other chunks' compute as the blocks' do.
         """
-        hidden = self._embed(batch) if self.pre_process else input_tensor
-        hidden = self._run_layers(hidden, batch)
-        if not self.post_process:
-            return hidden
+        batch_size = batch["tokens"].shape[0] if self.pre_process else input_tensor.shape[0]
+        asynchronous = self.plan.enabled and self.tp > 1  # with one TP rank there is nothing to overlap
+        rows, columns = self.plan.split_for(batch_size) if asynchronous else (1, 1)
+        slices = [slice(int(idx[0]), int(idx[-1]) + 1) for idx in torch.arange(batch_size).tensor_split(rows)]
+        if self.pre_process:
+            chunks = [self._embed(batch, rows_, asynchronous) for rows_ in slices]
+        else:
+            chunks = [input_tensor[rows_] for rows_ in slices]
+        rotary = None
+        if self.cfg.position_embedding == "rope":
+            rotary = rotary_tables(self._position_ids(batch, batch_size), self.inv_freq)
+        mask = batch.get("attention_mask")
+        contexts = [(None if rotary is None else tuple(t[rows_] for t in rotary),
+                     None if mask is None else mask[rows_]) for rows_ in slices]
+        head = None
+        if self.post_process:
+            head = lambda x, i: self._head(x, batch, slices[i], return_logits)  # noqa: E731
+        outputs = run_blocks(self.layers, chunks, contexts, asynchronous=asynchronous, column_pieces=columns,
+                             overlap=self.plan.overlap, head=head)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+    def _head(self, hidden: torch.Tensor, batch: dict, rows: slice, return_logits: bool) -> torch.Tensor:
         hidden = self.final_norm(hidden)
         logits = column_parallel_linear(hidden, self.output_weight(), None, self.group,
                                         self.sequence_parallel, self.plan.grad_pieces)
         if return_logits:
             return comm.gather_from_tp(logits, self.group)[..., :self.cfg.vocab_size].float()
-        return vocab_parallel_cross_entropy(logits, batch["labels"], self.cfg.vocab_size, self.group)
+        return vocab_parallel_cross_entropy(logits, batch["labels"][rows], self.cfg.vocab_size, self.group)
 
-    def _embed(self, batch: dict) -> torch.Tensor:
-        tokens = batch["tokens"]
-        hidden = self.embedding.word_embeddings(tokens)
+    def _embed(self, batch: dict, rows: slice, asynchronous: bool):
+        """This chunk's embeddings; under Domino the all-reduce is left in flight for the schedule to wait on."""
+        tokens = batch["tokens"][rows]
+        embedding = self.embedding.word_embeddings
+        if asynchronous:
+            return _PendingEmbedding(launch_reduce([embedding.partial(tokens)], self.group),
+                                     lambda hidden: self._embedding_tail(hidden, batch, rows))
+        return self._embedding_tail(embedding(tokens), batch, rows)
+
+    def _embedding_tail(self, hidden: torch.Tensor, batch: dict, rows: slice) -> torch.Tensor:
+        """Position embeddings, the sequence-parallel split and dropout, once the token rows are complete."""
         if hasattr(self.embedding, "position_embeddings"):
-            hidden = hidden + self.embedding.position_embeddings(self._position_ids(batch, tokens.shape[0]))
+            positions = self._position_ids(batch, batch["tokens"].shape[0])[rows]
+            hidden = hidden + self.embedding.position_embeddings(positions)
         if self.sequence_parallel:
             hidden = comm.scatter_to_sp(hidden, self.group)
         if self.training and self.cfg.hidden_dropout > 0:
@@ -122,19 +152,12 @@ class LanguageModel(nn.Module):
         device = next(self.parameters()).device
         return torch.arange(self.cfg.seq_length, device=device).expand(batch_size, -1)
 
-    def _run_layers(self, hidden: torch.Tensor, batch: dict) -> torch.Tensor:
-        if not len(self.layers):
-            return hidden
-        asynchronous = self.plan.enabled and self.tp > 1  # with one TP rank there is nothing to overlap
-        rows, columns = self.plan.split_for(hidden.shape[0]) if asynchronous else (1, 1)
-        rotary = None
-        if self.cfg.position_embedding == "rope":
-            rotary = rotary_tables(self._position_ids(batch, hidden.shape[0]), self.inv_freq)
-        mask = batch.get("attention_mask")
-        chunk_bounds = torch.arange(hidden.shape[0]).tensor_split(rows)
-        chunks = [hidden[idx[0]:idx[-1] + 1] for idx in chunk_bounds]
-        contexts = [(None if rotary is None else tuple(t[idx[0]:idx[-1] + 1] for t in rotary),
-                     None if mask is None else mask[idx[0]:idx[-1] + 1]) for idx in chunk_bounds]
-        chunks = run_blocks(self.layers, chunks, contexts, asynchronous=asynchronous,
-                            column_pieces=columns, overlap=self.plan.overlap)
-        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=0)
+
+class _PendingEmbedding:
+    """A chunk's embedding whose TP all-reduce is in flight; ``finish`` waits and applies the rest."""
+
+    def __init__(self, pending, tail):
+        self.pending, self.tail = pending, tail
+
+    def finish(self) -> torch.Tensor:
+        return self.tail(self.pending.wait())

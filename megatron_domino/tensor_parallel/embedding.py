@@ -33,11 +33,13 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = make_param((spec.local_size(self.tp), hidden_size), dtype, device, "normal", init_std, spec)
         self.weight.vocab_rows = vocab_size  # rows past this are padding (zero-initialised)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def partial(self, tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the lookup (zeros for tokens of other ranks): sums to the embedding over TP."""
         if self.tp == 1:
-            out = F.embedding(tokens, self.weight)
-        else:
-            outside = (tokens < self.start) | (tokens >= self.end)
-            local = (tokens - self.start).masked_fill(outside, 0)
-            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return comm.reduce_from_tp(out, self.group)
+            return F.embedding(tokens, self.weight)
+        outside = (tokens < self.start) | (tokens >= self.end)
+        local = (tokens - self.start).masked_fill(outside, 0)
+        return F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return comm.reduce_from_tp(self.partial(tokens), self.group)
