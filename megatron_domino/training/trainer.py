@@ -28,6 +28,7 @@ from .metrics import MetricsWriter, Timers, device_peak_tflops, format_train_lin
 from .signals import PreemptionHandler
 from .watchdog import Watchdog
 
+
 def param_dtype(train) -> torch.dtype:
     return torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else torch.float32
 
@@ -102,9 +103,8 @@ class Trainer:
         if metadata.get("has_optimizer"):
             self.step = metadata["step"]
             self._consumed = metadata["consumed_samples"]
-            for loader in (self.train_loader,):
-                if loader is not None:
-                    loader.load_state_dict({"consumed_samples": self._consumed})
+            if self.train_loader is not None:
+                self.train_loader.load_state_dict({"consumed_samples": self._consumed})
         self._log_once(f"loaded checkpoint {path} (step {self.step})")
 
     def save(self) -> None:
