@@ -185,7 +185,8 @@ def defer_waits(wait_nodes: list, sequence_nr: int | None) -> None:
     if sequence_nr is None:
         return
     for node in wait_nodes:
-        node._set_sequence_nr(sequence_nr)
+        if hasattr(node, "_set_sequence_nr"):  # a private torch hook; without it the waits are merely earlier
+            node._set_sequence_nr(sequence_nr)
 
 
 def column_linear_async(x, weight, bias, group, pieces: int):
