@@ -2,12 +2,12 @@
 import subprocess
 import sys
 
-from tests.training_runs import REPO
+from tests.training_runs import REPO, environment
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "pretrain_gpt.py", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "pretrain_gpt.py", *args], cwd=REPO, env=environment(),
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_bad_config_exits_2_naming_key_value_rule_and_fix():

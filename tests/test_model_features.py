@@ -92,13 +92,10 @@ def test_document_mask_and_position_reset_isolate_documents():
 
 
 def test_slurm_variables_map_to_torchrun_ones(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("SLURM_PROCID", "13")
-    monkeypatch.setenv("SLURM_NTASKS", "16")
-    monkeypatch.setenv("SLURM_LOCALID", "5")
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[003-010,012],cpu1")
+    environment = {"SLURM_PROCID": "13", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5",
+                   "SLURM_JOB_NODELIST": "gpu[003-010,012],cpu1"}
+    monkeypatch.setattr(os, "environ", environment)  # the real environment stays untouched
     launch._slurm_to_torchrun_env()
-    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("13", "16", "5")
-    assert os.environ["MASTER_ADDR"] == "gpu003" and os.environ["MASTER_PORT"] == "29500"
+    assert (environment["RANK"], environment["WORLD_SIZE"], environment["LOCAL_RANK"]) == ("13", "16", "5")
+    assert environment["MASTER_ADDR"] == "gpu003" and environment["MASTER_PORT"] == "29500"
     assert launch._first_slurm_host("node7") == "node7"

@@ -24,8 +24,13 @@ def command(family: str, nproc: int, run_dir: str, overrides: list[str]) -> list
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
 
 
+_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def environment() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    """This process's environment without any launcher's variables (a test may itself run under torchrun/slurm)."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES and not k.startswith("SLURM_")}
+    return dict(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
 def train(family: str, nproc: int, run_dir: str, overrides: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
