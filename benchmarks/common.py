@@ -142,3 +142,11 @@ def write_json(path: str, data) -> str:
 def read_json(path: str):
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def run_harness(args, worker, drive) -> None:
+    """A harness script is both the driver (launches its jobs) and, with --worker, one rank of a job."""
+    if args.worker:
+        worker(args)
+    else:
+        drive(args)

@@ -30,7 +30,8 @@ import os
 import statistics
 import time
 
-from common import (MODEL_FLAGS, NETEM, RESULTS, add_model_args, build_trainer, close_trainer, format_table,
+from common import (MODEL_FLAGS, add_model_args, run_harness,
+                    NETEM, RESULTS, build_trainer, close_trainer, format_table,
                     forward_flags, launch, load_benchmark_config, model_overrides, read_json, write_json)
 
 LAYOUTS = {"tp2": (2, 1), "tp2pp2": (2, 2)}  # (tp, pp); dp = 1
@@ -194,8 +195,4 @@ def drive(args) -> None:
 
 
 if __name__ == "__main__":
-    arguments = parse_args()
-    if arguments.worker:
-        worker(arguments)
-    else:
-        drive(arguments)
+    run_harness(parse_args(), worker, drive)

@@ -21,7 +21,8 @@ import os
 import statistics
 from collections import defaultdict
 
-from common import (MODEL_FLAGS, RESULTS, add_model_args, build_trainer, close_trainer, format_table, forward_flags,
+from common import (MODEL_FLAGS, add_model_args, run_harness,
+                    RESULTS, build_trainer, close_trainer, format_table, forward_flags,
                     launch, load_benchmark_config, model_overrides, read_json, write_json)
 
 PP = 4
@@ -158,8 +159,4 @@ def drive(args) -> None:
 
 
 if __name__ == "__main__":
-    arguments = parse_args()
-    if arguments.worker:
-        worker(arguments)
-    else:
-        drive(arguments)
+    run_harness(parse_args(), worker, drive)

@@ -44,7 +44,8 @@ def main(argv=None, family: str = "GPT") -> int:
             from .dry_run import dry_run
             print(dry_run(cfg, world))
             return 0
-        for message in validate_config(cfg, world_size=world, check_paths=not cfg.data.mock):
+        check_paths = not (cfg.data.mock or args.print_schedule)  # printing a schedule reads no files
+        for message in validate_config(cfg, world_size=world, check_paths=check_paths):
             warnings.warn(message, stacklevel=1)
         if args.eval_only and not cfg.checkpoint.load:
             raise ConfigError("checkpoint.load", None, "--eval-only needs a checkpoint to evaluate",
