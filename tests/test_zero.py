@@ -211,7 +211,7 @@ def check_tensor_and_data_parallel(rank, data, ref_adamw):
                                     tp_rank=tp_rank, norm_groups=[tp_group])
         for step, (tokens, labels) in enumerate(data):
             backward_step(model, dopt, tokens, labels, dp_rank, 2)
-            for param in model.parameters():  # the lead's sequence-parallel reduction, on the reduced shard
+            for param in model.parameters():  # the trainer's sequence-parallel reduction, on the reduced shard
                 if getattr(param, "sequence_parallel", False):
                     dist.all_reduce(dopt.reduced_grad(param), group=tp_group)
             norm = dopt.step(LR)[1]

@@ -10,7 +10,7 @@ One step, on every rank:
   backward   hooks move each gradient into its bucket; on the last micro-batch a full bucket starts
              its DP reduction at once (all-reduce, or reduce-scatter when sharded), overlapping the
              rest of backward;
-  finish     wait for every bucket (the lead's code may then all-reduce ``reduced_grad(p)`` over the
+  finish     wait for every bucket (the trainer may then all-reduce ``reduced_grad(p)`` over the
              embedding or TP group, in place);
   step       unscale (fp16) and look for inf/nan on every rank; skip everywhere together if found;
              global L2 norm (each element once), clip, update this rank's fp32 shard, cast it back
