@@ -165,7 +165,6 @@ BASE = ["data.mock=true"]  # schema defaults plus mock data: a valid config (che
 
 INVALID = [  # (overrides, world size, offending key)
     (["model.num_layers=0"], 1, "model.num_layers"),
-    (["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.domino=true"], 2, "parallel.sequence_parallel"),
     (["train.exit_interval=-1"], 1, "train.exit_interval"),
     (["model.hidden_size=-64"], 1, "model.hidden_size"),
     (["model.num_attention_heads=0"], 1, "model.num_attention_heads"),

@@ -21,11 +21,12 @@ LLAMA = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=8, num_que
 GLOBAL_BATCH, MICRO_BATCH = 8, 2
 
 
-def _config(model, tp, pp, dp, virtual_pp=1, layout=None, sequence_parallel=False, variable_shapes=False):
+def _config(model, tp, pp, dp, virtual_pp=1, layout=None, sequence_parallel=False, variable_shapes=False,
+            domino=True):
     cfg = Config(model=model)
     cfg.parallel.variable_seq_lengths = variable_shapes
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.virtual_pp = tp, pp, dp, virtual_pp
-    cfg.parallel.domino, cfg.parallel.pipeline_layout = not sequence_parallel, layout
+    cfg.parallel.domino, cfg.parallel.pipeline_layout = domino, layout
     cfg.parallel.sequence_parallel = sequence_parallel
     cfg.train.micro_batch_size, cfg.train.global_batch_size = MICRO_BATCH, GLOBAL_BATCH
     return cfg
@@ -100,7 +101,8 @@ LAYOUTS = {
         (GPT, _config(GPT, 1, 2, 1, layout=[1, 3])), (LLAMA, _config(LLAMA, 1, 2, 1, layout=[3, 1])),
         (GPT, _config(GPT, 1, 2, 1, variable_shapes=True))],
     4: [(GPT, _config(GPT, 1, 4, 1)), (GPT, _config(GPT, 2, 2, 1)), (LLAMA, _config(LLAMA, 2, 2, 1)),
-        (GPT, _config(GPT, 2, 2, 1, sequence_parallel=True))],
+        (GPT, _config(GPT, 2, 2, 1, sequence_parallel=True, domino=False)),
+        (LLAMA, _config(LLAMA, 2, 2, 1, sequence_parallel=True))],
     8: [(GPT, _config(GPT, 2, 2, 2)), (LLAMA, _config(LLAMA, 2, 2, 2))],
 }
 

@@ -159,7 +159,7 @@ PLANS = {
 }
 
 
-def _train_steps(model, batches, steps=3):
+def _train_steps(model, batches, steps=3, group=None):
     """Losses, grads and params per step under SGD with momentum.
 
     (Adam would divide the key bias's gradient, exactly zero in exact arithmetic and pure rounding
@@ -172,6 +172,9 @@ def _train_steps(model, batches, steps=3):
         batch = batches[step]
         loss = model(None, batch).mean()
         loss.backward()
+        for param in model.parameters():  # under SP these saw only this rank's slice of the sequence
+            if getattr(param, "sequence_parallel", False) and group is not None:
+                dist.all_reduce(param.grad, group=group)
         history.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_global_parameters()},
                         {n: p.detach().clone() for n, p in model.named_global_parameters()}))
         opt.step()
@@ -188,13 +191,14 @@ def check_domino_stack(rank, tp, group):
             dense = LanguageModel(cfg)
             initialize_weights(dense, seed=7)
             reference = _train_steps(dense, batches)
-            for name, plan in PLANS.items():
-                model = LanguageModel(cfg, group, plan=plan)
+            for (name, plan), sequence_parallel in [(p, False) for p in PLANS.items()] + [
+                    (p, True) for p in PLANS.items() if p[0] in ("sync", "row-inter", "2d")]:
+                model = LanguageModel(cfg, group, plan=plan, sequence_parallel=sequence_parallel)
                 initialize_weights(model, seed=7, tp_rank=rank, tp=tp)
                 params = dict(model.named_global_parameters())
                 for step, ((loss, grads, values), (ref_loss, ref_grads, ref_values)) in enumerate(
-                        zip(_train_steps(model, batches), reference)):
-                    what = f"{cfg.activation} {name} micro batch {micro_batch} step {step}"
+                        zip(_train_steps(model, batches, group=group), reference)):
+                    what = f"{cfg.activation} {name} SP {sequence_parallel} micro batch {micro_batch} step {step}"
                     assert_rel(loss, ref_loss, f"{what} loss")
                     for pname, grad in grads.items():
                         expected = _shard_of(ref_grads[pname], params[pname], rank, tp)

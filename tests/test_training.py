@@ -19,12 +19,13 @@ def _assert_close(run, reference, steps, tol=TOL):
         assert abs(run[step] - reference[step]) <= tol * abs(reference[step]), (step, run[step], reference[step])
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_eight_ranks_match_one_process(tmp_path, family):
+@pytest.mark.parametrize("family, extra", [("gpt", []), ("llama", []), ("llama", ["parallel.sequence_parallel=true"])],
+                         ids=["gpt", "llama", "llama-sequence-parallel"])
+def test_eight_ranks_match_one_process(tmp_path, family, extra):
     """20 steps at (1,1,1) as a bare process and at (2,2,2) with Domino under torchrun: same losses."""
     single, parallel = str(tmp_path / "single"), str(tmp_path / "parallel")
     train(family, 1, single, ["train.steps=20"])
-    train(family, 8, parallel, ["train.steps=20", "optimizer.zero_stage=2", *LAYOUT_222])
+    train(family, 8, parallel, ["train.steps=20", "optimizer.zero_stage=2", *LAYOUT_222, *extra])
     one, eight = losses(single), losses(parallel)
     assert sorted(one) == list(range(1, 21)) and sorted(eight) == list(range(1, 21))
     _assert_close(eight, one, range(1, 21))

@@ -197,10 +197,6 @@ def _check_parallel(c: _Checks, cfg: Config, world_size: int | None) -> int | No
         c.warnings.append(ROW_SPLIT_WARNING)
     if p.sequence_parallel and p.tp == 1:
         c.warnings.append("parallel.sequence_parallel=true has no effect with parallel.tp=1")
-    if p.sequence_parallel and p.domino and p.tp > 1:
-        c.fail("parallel.sequence_parallel", True, "cannot be combined with parallel.domino=true yet (Domino "
-               "overlaps all-reduces; sequence parallelism replaces them with all-gather / reduce-scatter)",
-               "set parallel.domino=false to use sequence parallelism, or parallel.sequence_parallel=false")
     if not ok:
         return None
     dp = p.dp

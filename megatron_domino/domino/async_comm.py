@@ -26,12 +26,14 @@ from ..parallel import comm
 
 
 class PendingReduce:
-    """All-reduces in flight for one logical tensor, possibly in column pieces."""
+    """All-reduces (reduce-scatters along the sequence, under SP) in flight for one logical tensor,
+    possibly in column pieces."""
 
-    def __init__(self, pieces: list[torch.Tensor], group):
-        self.group = group
+    def __init__(self, pieces: list[torch.Tensor], group, sequence_parallel: bool = False):
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.pieces = pieces
         self.handles = [None] * len(pieces)
+        self.keep_alive = [None] * len(pieces)  # a reduce-scatter's input must outlive the transfer
 
     def wait(self) -> torch.Tensor:
         """The reduced tensor; pieces are concatenated along the last dim."""
@@ -54,13 +56,27 @@ class _LaunchReduce(torch.autograd.Function):
         return grad, None, None
 
 
+class _LaunchReduceScatter(torch.autograd.Function):
+    """Start reduce-scattering a partial along the sequence (SP); backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, pending: PendingReduce, index: int):
+        ctx.group = pending.group
+        out, pending.handles[index], pending.keep_alive[index] = comm.reduce_scatter_sequence_async(x, pending.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.gather_sequence(grad, ctx.group), None, None
+
+
 class _WaitReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pending: PendingReduce, index: int):
         handle = pending.handles[index]
         if handle is not None:
             handle.wait()
-            pending.handles[index] = None
+            pending.handles[index] = pending.keep_alive[index] = None
         return x.view_as(x)
 
     @staticmethod
@@ -68,46 +84,58 @@ class _WaitReduce(torch.autograd.Function):
         return grad, None, None
 
 
-def launch_reduce(partials, group, count: int = 1) -> PendingReduce:
-    """Launch the all-reduce of each partial as soon as it is computed, and return without waiting.
+def launch_reduce(partials, group, count: int = 1, sequence_parallel: bool = False) -> PendingReduce:
+    """Launch the all-reduce (SP: reduce-scatter) of each partial as soon as it is computed; do not wait.
 
     ``partials`` may be a generator: piece i + 1 is then computed while piece i is reduced.
     """
-    pending = PendingReduce([None] * count, group)
+    pending = PendingReduce([None] * count, group, sequence_parallel)
+    launch = _LaunchReduceScatter if sequence_parallel and comm.group_size(group) > 1 else _LaunchReduce
     for index, partial in enumerate(partials):
-        pending.pieces[index] = _LaunchReduce.apply(partial.contiguous(), pending, index)
+        pending.pieces[index] = launch.apply(partial.contiguous(), pending, index)
     return pending
 
 
 class PendingInputGradient:
-    """The input gradient of one column-parallel linear, reduced asynchronously in ``pieces`` column pieces."""
+    """The input gradient of one column-parallel linear, reduced asynchronously in ``pieces`` column pieces.
 
-    def __init__(self, group, pieces: int):
+    Without SP each piece is all-reduced; under SP each is reduce-scattered to this rank's sequence slice.
+    """
+
+    def __init__(self, group, pieces: int, sequence_parallel: bool = False):
         self.group, self.pieces = group, pieces
-        self.work: list[tuple[torch.Tensor, slice, object]] = []
+        self.sequence_parallel = sequence_parallel and comm.group_size(group) > 1
+        self.work: list[tuple[torch.Tensor, slice, object, object]] = []
         self.grad: torch.Tensor | None = None
 
     def launch(self, grad_output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """grad_input = grad_output @ weight, computed and reduced piece by piece along the input features."""
         in_features = weight.shape[1]
         communicate = comm.group_size(self.group) > 1 and not comm.communication_disabled()
-        if self.pieces <= 1:
+        if self.pieces <= 1 and not self.sequence_parallel:  # one piece, reduced in place
             self.grad = grad_output.matmul(weight)
-            if communicate:
-                self.work.append((self.grad, slice(None), dist.all_reduce(self.grad, group=self.group, async_op=True)))
+            handle = dist.all_reduce(self.grad, group=self.group, async_op=True) if communicate else None
+            self.work.append((self.grad, slice(None), handle, None))
             return self.grad
-        self.grad = grad_output.new_empty(grad_output.shape[:-1] + (in_features,))
-        for columns in _column_slices(in_features, self.pieces):
+        shape = list(grad_output.shape[:-1]) + [in_features]
+        if self.sequence_parallel:
+            shape[comm.SEQUENCE_DIM] //= comm.group_size(self.group)
+        self.grad = grad_output.new_empty(shape)
+        for columns in _column_slices(in_features, max(1, self.pieces)):
             piece = grad_output.matmul(weight[:, columns])
-            handle = dist.all_reduce(piece, group=self.group, async_op=True) if communicate else None
-            self.work.append((piece, columns, handle))
+            if self.sequence_parallel:
+                out, handle, keep_alive = comm.reduce_scatter_sequence_async(piece, self.group)
+                self.work.append((out, columns, handle, keep_alive))
+            else:
+                handle = dist.all_reduce(piece, group=self.group, async_op=True) if communicate else None
+                self.work.append((piece, columns, handle, None))
         return self.grad
 
     def finish(self, grad: torch.Tensor) -> torch.Tensor:
         if grad.data_ptr() != self.grad.data_ptr():
             raise RuntimeError("Domino: the input gradient of a column-parallel linear was modified before its "
                                "all-reduce completed (a branch was summed in before the wait)")
-        for piece, columns, handle in self.work:
+        for piece, columns, handle, _ in self.work:
             if handle is not None:
                 handle.wait()
             if piece is not self.grad:
@@ -135,10 +163,15 @@ class WaitForInputGradient(torch.autograd.Function):
 
 
 class LinearWithAsyncInputGradient(torch.autograd.Function):
-    """y = x W^T + b whose backward launches the input-gradient all-reduce before the weight gradient."""
+    """y = x W^T + b whose backward launches the input-gradient all-reduce before the weight gradient.
+
+    Under SP, x is this rank's sequence slice: forward all-gathers it, and backward reduce-scatters.
+    """
 
     @staticmethod
     def forward(ctx, x, weight, bias, pending: PendingInputGradient):
+        if pending.sequence_parallel:  # this rank's sequence slice -> the whole sequence
+            x = comm.gather_sequence(x, pending.group)
         ctx.save_for_backward(x, weight)
         ctx.pending, ctx.has_bias = pending, bias is not None
         return F.linear(x, weight, bias)
@@ -189,18 +222,18 @@ def defer_waits(wait_nodes: list, sequence_nr: int | None) -> None:
             node._set_sequence_nr(sequence_nr)
 
 
-def column_linear_async(x, weight, bias, group, pieces: int):
+def column_linear_async(x, weight, bias, group, pieces: int, sequence_parallel: bool = False):
     """A column-parallel linear whose backward overlaps the input-gradient all-reduce with weight-gradient work."""
-    pending = PendingInputGradient(group, pieces)
+    pending = PendingInputGradient(group, pieces, sequence_parallel)
     waited = WaitForInputGradient.apply(x, pending)
     if _wait_recorder is not None and waited.grad_fn is not None:
         _wait_recorder.append(waited.grad_fn)
     return LinearWithAsyncInputGradient.apply(waited, weight, bias, pending)
 
 
-def row_linear_launch(x, weight, group, pieces: int) -> PendingReduce:
-    """A row-parallel linear whose output all-reduce is launched per column piece (pieces = 1: one launch)."""
+def row_linear_launch(x, weight, group, pieces: int, sequence_parallel: bool = False) -> PendingReduce:
+    """A row-parallel linear whose output all-reduce (SP: reduce-scatter) is launched per column piece."""
     if pieces <= 1:
-        return launch_reduce([F.linear(x, weight)], group)
+        return launch_reduce([F.linear(x, weight)], group, sequence_parallel=sequence_parallel)
     partials = (F.linear(x, weight[rows]) for rows in _column_slices(weight.shape[0], pieces))
-    return launch_reduce(partials, group, count=pieces)
+    return launch_reduce(partials, group, count=pieces, sequence_parallel=sequence_parallel)

@@ -63,7 +63,7 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """[b, s/tp, h] on each rank -> [b, s, h]; gloo only gathers into a flat dim-0 output."""
     size = group_size(group)
     if size == 1:
@@ -73,17 +73,31 @@ def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(out.chunk(size, dim=0), dim=SEQUENCE_DIM)
 
 
-def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """[b, s, h] partial sums -> this rank's [b, s/tp, h] of the total."""
+def reduce_scatter_sequence_async(x: torch.Tensor, group):
+    """Start reducing [b, s, h] partial sums into this rank's [b, s/tp, h]; returns (output, work, input kept alive).
+
+    The output is complete once ``work`` (None when nothing was sent) has been waited on.
+    """
     size = group_size(group)
-    if size == 1:
-        return x
     if x.shape[SEQUENCE_DIM] % size:
         raise ValueError(f"sequence length {x.shape[SEQUENCE_DIM]} is not divisible by tp = {size} "
                          f"(sequence parallelism). Fix: make model.seq_length a multiple of parallel.tp.")
     stacked = torch.cat(x.chunk(size, dim=SEQUENCE_DIM), dim=0)
+    if size == 1 or _communication_disabled:
+        rows = x.shape[0]
+        rank = dist.get_rank(group) if size > 1 else 0
+        return stacked[rank * rows:(rank + 1) * rows], None, None
     out = torch.empty((x.shape[0],) + tuple(stacked.shape[1:]), dtype=x.dtype, device=x.device)
-    reduce_scatter_flat(out, stacked, group=group)
+    return out, reduce_scatter_flat(out, stacked, group=group, async_op=True), stacked
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """[b, s, h] partial sums -> this rank's [b, s/tp, h] of the total."""
+    if group_size(group) == 1:
+        return x
+    out, work, _ = reduce_scatter_sequence_async(x, group)
+    if work is not None:
+        work.wait()
     return out
 
 
@@ -151,7 +165,7 @@ class GatherFromSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _gather_sequence(x, group)
+        return gather_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -168,7 +182,7 @@ class ReduceScatterToSequenceParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_sequence(grad, ctx.group), None
+        return gather_sequence(grad, ctx.group), None
 
 
 class ScatterToSequenceParallel(torch.autograd.Function):
@@ -181,7 +195,7 @@ class ScatterToSequenceParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_sequence(grad, ctx.group), None
+        return gather_sequence(grad, ctx.group), None
 
 
 def _apply(function, x, group):

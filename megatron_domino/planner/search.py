@@ -39,7 +39,9 @@ class Layout:
 
     @property
     def tp_mode(self) -> str:
-        return "sp" if self.sequence_parallel else "domino" if self.domino and self.tp > 1 else "-"
+        domino = self.domino and self.tp > 1
+        return "sp+domino" if self.sequence_parallel and domino else "sp" if self.sequence_parallel else \
+            "domino" if domino else "-"
 
     def overrides(self) -> list[str]:
         """The layout as ``section.key=value`` overrides for the loader and the entry points."""
@@ -74,8 +76,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def _tp_modes(tp: int, domino: bool) -> list[tuple[bool, bool]]:
-    """(sequence_parallel, domino) choices: Domino (as configured) or sequence parallelism when tp > 1."""
-    return [(False, domino)] + ([(True, False)] if tp > 1 else [])
+    """(sequence_parallel, domino) choices: Domino as configured, and with tp > 1 sequence parallelism
+    with and without it."""
+    if tp == 1:
+        return [(False, domino)]
+    return [(False, domino), (True, False)] + ([(True, True)] if domino else [])
 
 
 def candidate_layouts(cfg: Config, world_size: int, only: dict[str, Iterable] | None = None) -> list[Layout]:

@@ -15,7 +15,9 @@ ranks costs 2*(t-1)/t * B / bandwidth (all-gather, reduce-scatter: half that), w
 when the TP group sits inside one node and InfiniBand otherwise; latency is ignored. Domino hides
 ``domino_hidden`` (0.9) of it with the row split (micro batch >= 2) and ``domino_column_hidden``
 (0.5, a guess: only one weight's pieces overlap) with the column split, which is what a row split
-runs at micro batch 1. Domino does not run together with sequence parallelism.
+runs at micro batch 1. With sequence parallelism Domino overlaps the reduce-scatters (forward) and the
+input-gradient reduce-scatters (backward) but not the all-gathers each phase starts with, so it hides
+half of that share.
 
 Pipeline. 1F1B's bubble is (pp - 1) / virtual_pp micro-batch times (Narayanan et al. 2021). Each
 micro-batch crosses virtual_pp stage boundaries, receiving its activation forward and its gradient
@@ -93,10 +95,11 @@ def _rank_flops_per_token(cfg: Config) -> list[float]:
 
 def _domino_hidden_share(cfg: Config, assumptions: TimingAssumptions) -> float:
     par = cfg.parallel
-    if not par.domino or par.tp == 1 or par.sequence_parallel:
+    if not par.domino or par.tp == 1:
         return 0.0
     rows = par.domino_split in ("row", "2d") and cfg.train.micro_batch_size >= 2
-    return assumptions.domino_hidden if rows else assumptions.domino_column_hidden
+    share = assumptions.domino_hidden if rows else assumptions.domino_column_hidden
+    return share / 2 if par.sequence_parallel else share
 
 
 def estimate_step_time(cfg: Config, dp: int, gpu: GPU, gpus_per_node: int,

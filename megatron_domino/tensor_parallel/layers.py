@@ -25,11 +25,11 @@ def make_param(shape, dtype, device, init: str, std: float = 0.0, spec: ShardSpe
 
 
 def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool = False, grad_pieces: int = 0):
-    """The column-parallel product with its TP entry: SP all-gather, Domino async, or Megatron's copy."""
+    """The column-parallel product with its TP entry: Domino async, SP all-gather, or Megatron's copy."""
+    if grad_pieces > 0:
+        return column_linear_async(x, weight, bias, group, grad_pieces, sequence_parallel)
     if sequence_parallel:
         return F.linear(comm.gather_from_sp(x, group), weight, bias)
-    if grad_pieces > 0:
-        return column_linear_async(x, weight, bias, group, grad_pieces)
     return F.linear(comm.copy_to_tp(x, group), weight, bias)
 
 
@@ -93,5 +93,5 @@ class RowParallelLinear(nn.Module):
         return comm.reduce_from_tp(partial, self.group), self.bias
 
     def launch(self, x: torch.Tensor, pieces: int = 1) -> tuple[PendingReduce, torch.Tensor | None]:
-        """Domino: start the output all-reduce (in ``pieces`` column pieces) and return without waiting."""
-        return row_linear_launch(x, self.weight, self.group, pieces), self.bias
+        """Domino: start the output all-reduce or SP reduce-scatter (in ``pieces`` column pieces); do not wait."""
+        return row_linear_launch(x, self.weight, self.group, pieces, self.sequence_parallel), self.bias
