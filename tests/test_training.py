@@ -95,13 +95,19 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
         assert proc.wait(timeout=120) == 0, open(tmp_path / "log.txt").read()[-4000:]
     finally:
         kill_group(proc)
-    with open(os.path.join(run, "checkpoints", "latest")) as f:
+    assert 3 <= _resume_one_step(tmp_path, os.path.join(run, "checkpoints")) < 500
+
+
+def _resume_one_step(tmp_path, root) -> int:
+    """Load ``latest`` under ``root`` in a single process and train one more step; returns the loaded step."""
+    with open(os.path.join(root, "latest")) as f:
         latest = json.load(f)
-    assert 3 <= latest["step"] < 500
+    assert os.path.exists(os.path.join(root, latest["dir"], "metadata.json"))
     resumed = str(tmp_path / "resumed")
-    train("gpt", 1, resumed, [f"checkpoint.load={run}/checkpoints", f"train.steps={latest['step'] + 1}",
+    train("gpt", 1, resumed, [f"checkpoint.load={root}", f"train.steps={latest['step'] + 1}",
                               "checkpoint.save_at_end=false"])
     assert sorted(losses(resumed)) == [latest["step"] + 1]
+    return latest["step"]
 
 
 def test_killed_rank_while_saving_leaves_latest_whole(tmp_path):
@@ -114,15 +120,7 @@ def test_killed_rank_while_saving_leaves_latest_whole(tmp_path):
         proc.wait(timeout=120)
     finally:
         kill_group(proc)
-    root = os.path.join(run, "checkpoints")
-    with open(os.path.join(root, "latest")) as f:
-        latest = json.load(f)
-    whole = os.path.join(root, latest["dir"])
-    assert os.path.exists(os.path.join(whole, "metadata.json"))
-    resumed = str(tmp_path / "resumed")
-    train("gpt", 1, resumed, [f"checkpoint.load={root}", f"train.steps={latest['step'] + 1}",
-                              "checkpoint.save_at_end=false"])
-    assert sorted(losses(resumed)) == [latest["step"] + 1]
+    _resume_one_step(tmp_path, os.path.join(run, "checkpoints"))  # latest names a whole checkpoint
 
 
 def test_eval_only_writes_validation_loss(tmp_path):
