@@ -34,16 +34,11 @@ from common import (MODEL_FLAGS, add_model_args, run_harness,
                     NETEM, RESULTS, build_trainer, close_trainer, format_table,
                     forward_flags, launch, load_benchmark_config, model_overrides, read_json, write_json)
 
+from megatron_domino.domino.plan import COMPARED_PLANS
+
 LAYOUTS = {"tp2": (2, 1), "tp2pp2": (2, 2)}  # (tp, pp); dp = 1
-_DOMINO = ["parallel.domino=true", "parallel.domino_chunks=2"]
-MODES = {
-    "sync": ["parallel.domino=false"],
-    "row-intra": _DOMINO + ["parallel.domino_split=row", "parallel.domino_overlap=intra"],
-    "row-inter": _DOMINO + ["parallel.domino_split=row", "parallel.domino_overlap=inter"],
-    "column": _DOMINO + ["parallel.domino_split=column", "parallel.domino_overlap=intra"],
-    "2d": _DOMINO + ["parallel.domino_split=2d", "parallel.domino_overlap=inter"],
-    "nocomm": ["parallel.domino=false"],  # timed under comm.tp_all_reduces_disabled()
-}
+MODES = {name: plan.overrides() for name, plan in COMPARED_PLANS.items()}
+MODES["nocomm"] = COMPARED_PLANS["sync"].overrides()  # timed under comm.tp_all_reduces_disabled()
 
 
 def parse_args(argv=None):

@@ -24,19 +24,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_domino.config import ModelConfig
-from megatron_domino.domino.plan import DominoPlan
+from megatron_domino.domino.plan import COMPARED_PLANS
 from megatron_domino.domino.schedule import run_blocks
 from megatron_domino.models import TransformerBlock, initialize_weights
 from megatron_domino.parallel import comm
 
-MODES = {
-    "sync": DominoPlan(enabled=False),
-    "row-intra": DominoPlan(True, 2, "row", "intra"),
-    "row-inter": DominoPlan(True, 2, "row", "inter"),
-    "column": DominoPlan(True, 2, "column", "intra"),
-    "2d": DominoPlan(True, 2, "2d", "inter"),
-    "nocomm": DominoPlan(enabled=False),
-}
+MODES = {**COMPARED_PLANS, "nocomm": COMPARED_PLANS["sync"]}  # nocomm: sync with every TP all-reduce skipped
 
 
 class BlockStack(torch.nn.Module):

@@ -64,7 +64,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
     from megatron_domino.config import ModelConfig
-    from megatron_domino.domino.plan import DominoPlan
+    from megatron_domino.domino.plan import COMPARED_PLANS
     from megatron_domino.parallel.random import seed_streams
     args = parse_args()
     device, backend = setup(args.device)
@@ -75,9 +75,7 @@ def main() -> None:
                       seq_length=args.seq, vocab_size=args.vocab, attention_dropout=0.0, hidden_dropout=0.0)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     batch = {"tokens": tokens[:, :-1].to(device), "labels": tokens[:, 1:].to(device)}
-    modes = {"sync": DominoPlan(False), "row-intra": DominoPlan(True, 2, "row", "intra"),
-             "row-inter": DominoPlan(True, 2, "row", "inter"), "column": DominoPlan(True, 2, "column", "intra"),
-             "2d": DominoPlan(True, 2, "2d", "inter")}
+    modes = COMPARED_PLANS
     reference_loss, reference_grads = run_mode(cfg, modes["sync"], batch, device, dtype)
     rows, worst = [], 0.0
     loss_tol, grad_tol = TOLERANCE[args.dtype]

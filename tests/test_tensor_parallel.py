@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from megatron_domino.config import ModelConfig
 from megatron_domino.domino.async_comm import LinearWithAsyncInputGradient, PendingInputGradient, \
     WaitForInputGradient
-from megatron_domino.domino.plan import DominoPlan
+from megatron_domino.domino.plan import COMPARED_PLANS
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.optim.grad_norm import model_grad_norm
 from megatron_domino.parallel import comm
@@ -150,13 +150,7 @@ TINY_LLAMA = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=8, nu
                          ffn_hidden_size=64, seq_length=16, vocab_size=200, make_vocab_size_divisible_by=8,
                          position_embedding="rope", norm="rmsnorm", activation="swiglu", bias=False,
                          tie_embeddings=False)
-PLANS = {
-    "sync": DominoPlan(enabled=False),
-    "row-intra": DominoPlan(True, 2, "row", "intra"),
-    "row-inter": DominoPlan(True, 2, "row", "inter"),
-    "column": DominoPlan(True, 2, "column", "intra"),
-    "2d": DominoPlan(True, 2, "2d", "inter"),
-}
+PLANS = COMPARED_PLANS
 
 
 def _train_steps(model, batches, steps=3, group=None):

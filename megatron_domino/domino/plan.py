@@ -56,6 +56,21 @@ class DominoPlan:
         return rows, columns
 
 
+    def overrides(self) -> list[str]:
+        """The config overrides that select this plan."""
+        return [f"parallel.domino={str(self.enabled).lower()}", f"parallel.domino_chunks={self.chunks}",
+                f"parallel.domino_split={self.split}", f"parallel.domino_overlap={self.overlap}"]
+
+
+# The modes that tests and benchmarks compare: synchronous TP, then each Domino split and overlap.
+COMPARED_PLANS = {
+    "sync": DominoPlan(enabled=False),
+    "row-intra": DominoPlan(True, 2, "row", "intra"),
+    "row-inter": DominoPlan(True, 2, "row", "inter"),
+    "column": DominoPlan(True, 2, "column", "intra"),
+    "2d": DominoPlan(True, 2, "2d", "inter"),
+}
+
 _warned: set[str] = set()
 
 
