@@ -56,7 +56,7 @@ class Trainer:
         self.watchdog = Watchdog(self.state, par.timeout_s, self.describe)
         writer = self.engine.holds_loss and self.state.tp_rank == 0 and self.state.dp_rank == 0
         self.metrics = MetricsWriter(cfg.log.dir, writer, cfg.log.tensorboard)
-        self.timers = Timers(self.device)
+        self.timers = Timers(self.device, synchronize=cfg.log.timers)
         self._build_data()
         if self.state.rank == 0:
             save_config(cfg, os.path.join(cfg.log.dir, "config.yaml"))
@@ -214,8 +214,8 @@ class Trainer:
         if self.cfg.train.fp16:
             record["loss_scale"] = self.optimizer.loss_scale
         if self.cfg.log.timers:
+            self.timers.add("p2p-wait", self.engine.executor.p2p.take_wait_seconds())
             record["timers_ms"] = self.timers.report()
-            record["timers_ms"]["p2p-wait"] = round(self.engine.executor.p2p.take_wait_seconds() * 1000, 2)
         self.metrics.write({k: v for k, v in record.items() if v is not None},
                            format_train_line(record, self.cfg.train.steps))
 
