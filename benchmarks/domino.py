@@ -77,7 +77,7 @@ def timed_step(trainer, mode: str) -> tuple[float, float]:
     dist.barrier()
     start = time.perf_counter()
     with comm.tp_all_reduces_disabled() if mode == "nocomm" else contextlib.nullcontext():
-        loss = trainer.train_step()["loss"]
+        loss = trainer.train_step()["loss"].item()
     dist.barrier()
     return time.perf_counter() - start, loss
 

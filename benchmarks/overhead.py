@@ -67,7 +67,7 @@ def plain_step(plain, gpt, optimizer, loader, clip: float) -> tuple[float, dict]
 
 
 def framework_step(trainer) -> tuple[float, dict]:
-    loss = trainer.train_step()["loss"]
+    loss = trainer.train_step()["loss"].item()
     return loss, {name: ms / 1e3 for name, ms in trainer.timers.report().items()}
 
 

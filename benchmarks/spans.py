@@ -1,6 +1,6 @@
 """Per-rank timelines of compute and communication, recorded inside a benchmark only, as a Chrome trace.
 
-While ``SpanRecorder.recording()`` is active, torch.distributed's all_reduce / isend / irecv are wrapped
+While ``SpanRecorder.recording()`` is active, torch.distributed's all_reduce / batch_isend_irecv are wrapped
 (the package calls them through the ``torch.distributed`` module, so nothing in it changes). Each call
 records where it was issued (the Domino layer, phase and mu-chunk in forward; in backward the
 column-parallel linear whose input gradient it reduces, see ``tagged_backward``, else the autograd
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from common import write_json
 
-WRAPPED = ("all_reduce", "isend", "irecv")
+WRAPPED = ("all_reduce", "batch_isend_irecv")
 _COMMUNICATING_NODES = ("LinearWithAsyncInputGradientBackward", "CopyToTensorParallelBackward")
 _TAG = "benchmark_issued_at"
 _PACKAGE = os.sep + "megatron_domino" + os.sep
@@ -39,7 +39,8 @@ def now() -> float:
 
 
 def where_issued(op: str) -> str:
-    """'all_reduce fwd layer 3 mlp chunk 1', 'all_reduce bwd layers.3.mlp.fc1 #1', 'isend p2p.send', ..."""
+    """'all_reduce fwd layer 3 mlp chunk 1', 'all_reduce bwd layers.3.mlp.fc1 #1',
+    'batch_isend_irecv p2p._launch', ..."""
     node = torch._C._current_autograd_node()
     if node is not None:
         return f"{op} bwd {node.metadata.get(_TAG, node.name())}"
@@ -114,6 +115,11 @@ class SpanRecorder:
                 self.blocked(label, start, end)
                 self.sync_comms.append((label, start, end, nbytes))
                 return None
+            if isinstance(work, list):  # batch_isend_irecv: one Work per P2POp
+                timed = [_TimedWork(w, self, label, start, op.tensor.numel() * op.tensor.element_size())
+                         for w, op in zip(work, args[0])]
+                self.works += timed
+                return timed
             timed = _TimedWork(work, self, label, start, nbytes)
             self.works.append(timed)
             return timed

@@ -203,6 +203,8 @@ INVALID = [  # (overrides, world size, offending key)
     (["model.activation=relu"], 1, "model.activation"),
     (["model.position_embedding=alibi"], 1, "model.position_embedding"),
     (["model.recompute=partial"], 1, "model.recompute"),
+    (["model.attention_backend=cudnn"], 1, "model.attention_backend"),
+    (["model.attention_backend=flash", "data.reset_attention_mask=true"], 1, "model.attention_backend"),
     (["model.position_embedding=rope", "model.rope_scaling_factor=8", "model.rope_high_freq_factor=0.5"], 1,
      "model.rope_high_freq_factor"),
     (["optimizer.name=adam"], 1, "optimizer.name"),
@@ -228,6 +230,12 @@ INVALID = [  # (overrides, world size, offending key)
     (["checkpoint.load=auto"], 1, "checkpoint.load"),                      # needs checkpoint.dir
     (["checkpoint.interval=10"], 1, "checkpoint.interval"),                # needs checkpoint.dir
     (["log.interval=0"], 1, "log.interval"),
+    (["parallel.timeout_s=0"], 1, "parallel.timeout_s"),
+    (["parallel.timeout_s=60", "parallel.collective_timeout_s=90"], 1, "parallel.collective_timeout_s"),  # < 2 * 60
+    (["parallel.collective_timeout_s=-1"], 1, "parallel.collective_timeout_s"),
+    (["data.index_build_timeout_s=0"], 1, "data.index_build_timeout_s"),
+    (["checkpoint.save_timeout_s=-5"], 1, "checkpoint.save_timeout_s"),
+    (["checkpoint.load_timeout_s=0"], 1, "checkpoint.load_timeout_s"),
 ]
 
 

@@ -1,4 +1,5 @@
-"""Pipeline x TP (Domino on) x DP against one process: loss and every gradient after one step (fp32)."""
+"""Pipeline x TP (Domino on) x DP against one process: loss and every gradient after one step, and the
+forward-only (evaluation) loss (fp32), all under NCCL's p2p rules (the strict transport)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,6 +10,7 @@ from megatron_domino.parallel import Topology, state as parallel_state
 from megatron_domino.pipeline.engine import PipelineEngine
 from megatron_domino.pipeline.stages import (allreduce_sequence_parallel_grads, allreduce_tied_embedding_grads,
                                              build_stage_chunks)
+from megatron_domino.pipeline.strict_transport import StrictP2P
 from megatron_domino.tensor_parallel.sharding import get_shard_spec, unshard
 from tests.harness import run_ranks
 
@@ -61,6 +63,8 @@ def _run_layout(rank, world_size, cfg):
              zip(tokens[rows].split(MICRO_BATCH), labels[rows].split(MICRO_BATCH), mask[rows].split(MICRO_BATCH))]
     engine = PipelineEngine(chunks, ps, cfg, device=torch.device("cpu"), dtype=torch.float32,
                             num_microbatches=len(micro))
+    assert isinstance(engine.executor.p2p, StrictP2P)  # NCCL's rules (tests/conftest.py)
+    eval_loss = engine.evaluate(micro)  # the forward-only schedule, transfers grouped the same way
     loss = engine.forward_backward(micro)
     grad_of = lambda p: p.grad  # noqa: E731
     for chunk in chunks:
@@ -77,15 +81,16 @@ def _run_layout(rank, world_size, cfg):
             rows_ = getattr(p, "vocab_rows", None)
             grads[name] = full[:rows_] if rows_ is not None else full
     parallel_state.destroy()
-    return loss, grads
+    return loss, eval_loss, grads
 
 
 def _check(rank, world_size, layouts):
     results = []
     for model, cfg in layouts:
         ref_loss, ref_grads = _reference(model)
-        loss, grads = _run_layout(rank, world_size, cfg)
+        loss, eval_loss, grads = _run_layout(rank, world_size, cfg)
         assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (cfg.parallel, loss, ref_loss)
+        assert abs(eval_loss - ref_loss) <= TOL * abs(ref_loss), (cfg.parallel, eval_loss, ref_loss)
         for name, grad in grads.items():
             expected = ref_grads[name]
             rows = grad.shape[0]

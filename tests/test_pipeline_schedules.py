@@ -12,7 +12,7 @@ from fractions import Fraction
 import pytest
 
 from megatron_domino.pipeline import print_schedule
-from megatron_domino.pipeline.schedules import Instruction, build_schedule
+from megatron_domino.pipeline.schedules import Instruction, TransferGroup, build_schedule, transfers_of
 from megatron_domino.pipeline.simulate import Costs, ScheduleError, simulate
 from megatron_domino.pipeline.timeline import render_timeline
 
@@ -20,12 +20,35 @@ _OPS = {"rF": "recv_forward", "F": "forward", "sF": "send_forward",
         "rB": "recv_backward", "B": "backward", "sB": "send_backward"}
 
 
+def _instruction(token):
+    prefix, mb, chunk = re.fullmatch(r"([rs]?[FB])(\d+)(?:\.(\d+))?", token).groups()
+    return Instruction(_OPS[prefix], int(mb), int(chunk or 0))
+
+
 def parse(text):
-    """'F0 sF0 rB1.1' -> instructions (test-side reader of the papers' notation)."""
+    """'F0 [sF0 rB1.1] B0' -> program (test-side reader of the papers' notation; [...] is one transfer group)."""
     out = []
-    for token in text.split():
-        prefix, mb, chunk = re.fullmatch(r"([rs]?[FB])(\d+)(?:\.(\d+))?", token).groups()
-        out.append(Instruction(_OPS[prefix], int(mb), int(chunk or 0)))
+    for token in re.findall(r"\[[^\]]*\]|\S+", text):
+        if token.startswith("["):
+            out.append(TransferGroup(tuple(_instruction(t) for t in token[1:-1].split())))
+        else:
+            out.append(_instruction(token))
+    return out
+
+
+def flat(program):
+    return [t for step in program for t in (step.transfers if isinstance(step, TransferGroup) else (step,))]
+
+
+def unbatched(schedule, v=1):
+    """The order the pipeline used before grouping: each transfer alone, right beside its compute."""
+    pp, out = len(schedule), []
+    for rank, program in enumerate(schedule):
+        steps = []
+        for inst in (i for i in flat(program) if i.is_compute):
+            recvs, sends = transfers_of(inst, inst.chunk * pp + rank, pp * v)
+            steps += [TransferGroup((t,)) for t in recvs] + [inst] + [TransferGroup((t,)) for t in sends]
+        out.append(steps)
     return out
 
 
@@ -37,7 +60,7 @@ def channel_orders(schedule):
     """Per (src, dst, kind): sequence of (microbatch, destination stage) as sent and as received."""
     pp, sent, received = len(schedule), {}, {}
     for rank, program in enumerate(schedule):
-        for inst in program:
+        for inst in flat(program):
             if inst.is_compute:
                 continue
             stage = inst.chunk * pp + rank
@@ -64,7 +87,7 @@ def check_common(schedule, m, v, result):
             Counter(("backward", c, mb) for c, mb in expected)
         stage_first = [rank == 0 and c == 0 for c in range(v)]
         stage_last = [rank == pp - 1 and c == v - 1 for c in range(v)]
-        for inst in program:
+        for inst in flat(program):
             if inst.op in ("recv_forward", "send_backward"):
                 assert not stage_first[inst.chunk]
             if inst.op in ("send_forward", "recv_backward"):
@@ -78,7 +101,7 @@ def test_1f1b_matches_theory(pp):
         schedule = build_schedule("1f1b", pp, m)
         result = simulate(schedule, m, costs=Costs(forward=1, backward=2))
         check_common(schedule, m, 1, result)
-        simulate(schedule, m, channels="per_pair")
+        simulate(build_schedule("1f1b", pp, m, forward_only=True), m, forward_only=True)
         assert result.max_in_flight == [min(pp - r, m) for r in range(pp)]
         assert result.makespan == (m + pp - 1) * 3
         bubble = Fraction(pp - 1, m + pp - 1)
@@ -92,8 +115,8 @@ def test_interleaved_matches_theory(pp):
         for m in range(pp, 33, pp):
             schedule = build_schedule("interleaved", pp, m, v)
             result = simulate(schedule, m, v, Costs(forward=1, backward=2))
-            check_common(schedule, m, v, result)
-            simulate(schedule, m, v, channels="per_pair")  # even pp=2, where both kinds share a pair
+            check_common(schedule, m, v, result)  # even pp=2, where both kinds share a pair
+            simulate(build_schedule("interleaved", pp, m, v, forward_only=True), m, v, forward_only=True)
             bubble = Fraction(pp - 1, v * m + pp - 1)
             assert result.makespan == (v * m + pp - 1) * 3
             assert Fraction(result.bubble_fraction).limit_denominator(10000) == bubble
@@ -111,7 +134,11 @@ def test_paper_orders():
     assert build_schedule("1f1b", 1, 3) == build_schedule("none", 1, 3)
     one = build_schedule("1f1b", 4, 8)
     assert [str(i) for i in one[0] if i.is_compute] == "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7".split()
-    assert one[3][:4] == parse("rF0 F0 B0 sB0")
+    assert one[3][:5] == parse("[rF0] F0 B0 [sB0 rF1] F1")
+    assert one[0][:6] == parse("F0 [sF0] F1 [sF1] F2 [sF2]") and one[0][7:10] == parse("[sF3 rB0] B0 F4")
+    # Interleaved iterations pair a forward with a backward; receives are posted one iteration ahead.
+    # Steady state: one group sends both outputs and receives both inputs (Megatron's 4-way exchange).
+    assert parse("F3.0 B1.1 [sF3.0 sB1.1 rF2.1 rB0.0] F2.1 B0.0") == build_schedule("interleaved", 2, 4, 2)[0][11:16]
     # Interleaved: groups of pp micro-batches sweep the chunks; backwards sweep them in reverse.
     inter = build_schedule("interleaved", 2, 4, 2)
     fwd = [i.label(True) for i in inter[1] if i.op == "forward"]
@@ -164,23 +191,53 @@ def test_build_errors(args, words):
 
 
 def test_simulator_catches_bad_schedules():
-    fifo = [parse("F1 sF1 F0 sF0 rB0 B0 rB1 B1"), build_schedule("1f1b", 2, 2)[1]]
-    with pytest.raises(ScheduleError, match="rank 1 rF0 received sF1 from rank 0.*different orders"):
+    fifo = [parse("F1 [sF1] F0 [sF0] [rB0] B0 [rB1] B1"), build_schedule("1f1b", 2, 2)[1]]
+    with pytest.raises(ScheduleError, match="rank 1 rF0 would receive sF1 from rank 0.*different orders"):
         simulate(fifo, 2)
-    stuck = [parse("F0 sF0 rB0 B0 F1 sF1 rB1 B1"), parse("rF0 F0 rF1 F1 B0 sB0 B1 sB1")]
-    with pytest.raises(ScheduleError, match="deadlock: rank 0: waits at rB0 .*rank 1: waits at rF1"):
-        simulate(stuck, 2)
-    with pytest.raises(ScheduleError, match="instruction 1: found F1 but expected sF0"):
-        simulate([parse("F0 F1 sF1 rB0 B0 rB1 B1"), build_schedule("1f1b", 2, 2)[1]], 2)
+    with pytest.raises(ScheduleError, match="F1 runs before its receive rF1"):
+        simulate([build_schedule("1f1b", 2, 2)[0], parse("[rF0] F0 B0 [sB0] F1 [rF1] B1 [sB1]")], 2)
+    with pytest.raises(ScheduleError, match="sF0 comes before F0"):
+        simulate([parse("[sF0] F0 F1 [sF1 rB0] B0 [rB1] B1"), build_schedule("1f1b", 2, 2)[1]], 2)
+    with pytest.raises(ScheduleError, match="transfers missing: sF1"):
+        simulate([parse("F0 [sF0] F1 [rB0] B0 [rB1] B1"), build_schedule("1f1b", 2, 2)[1]], 2)
     with pytest.raises(ScheduleError, match="B0 runs before its forward"):
         simulate([parse("B0 F0")], 1)
     with pytest.raises(ScheduleError, match=r"missing \[\(0, 1\)\]"):
         simulate([parse("F0 B0")], 2)
-    # Consistent per kind but not per pair: fine for the executor, wrong on one untagged stream (pp=2).
-    mixed = [parse("F0.0 sF0.0 F1.0 sF1.0 rF0.1 F0.1 sF0.1 rB0.1 B0.1 sB0.1 rF1.1 F1.1 sF1.1 rB1.1 B1.1 sB1.1 "
-                   "rB0.0 B0.0 rB1.0 B1.0"),
-             parse("rF0.0 F0.0 sF0.0 rF1.0 F1.0 sF1.0 rF0.1 F0.1 B0.1 sB0.1 rF1.1 F1.1 B1.1 sB1.1 "
-                   "rB0.0 B0.0 sB0.0 rB1.0 B1.0 sB1.0")]
-    simulate(mixed, 2, 2)
+    # Consistent per kind but not per pair: on one untagged NCCL pair (pp=2) the wrong tensor arrives.
+    mixed = [parse("F0.0 [sF0.0] F1.0 [sF1.0] [rF0.1] F0.1 [sF0.1] [rB0.1] B0.1 [sB0.1] [rF1.1] F1.1 [sF1.1] "
+                   "[rB1.1] B1.1 [sB1.1] [rB0.0] B0.0 [rB1.0] B1.0"),
+             parse("[rF0.0] F0.0 [sF0.0] [rF1.0] F1.0 [sF1.0] [rF0.1] F0.1 B0.1 [sB0.1] [rF1.1] F1.1 B1.1 [sB1.1] "
+                   "[rB0.0] B0.0 [sB0.0] [rB1.0] B1.0 [sB1.0]")]
     with pytest.raises(ScheduleError, match="different orders"):
-        simulate(mixed, 2, 2, channels="per_pair")
+        simulate(mixed, 2, 2)
+
+
+def test_simulator_finds_the_unbatched_deadlock_and_proves_the_grouped_schedules():
+    """Sends as rendezvous, pairs FIFO, groups complete together: the old one-transfer-at-a-time order hangs
+    at pp 2 with 4 micro-batches exactly as the issue traced it; every grouped schedule up to pp 8, m 32, v 4
+    (training and forward-only) finishes."""
+    with pytest.raises(ScheduleError) as err:
+        simulate(unbatched(build_schedule("1f1b", 2, 4)), 4)
+    assert str(err.value) == ("deadlock under NCCL's rules: rank 0: waits at [sF1] (step 3) for rank 1 to post its "
+                              "side of sF1; rank 1: waits at [sB0] (step 3) for rank 0 to post its side of sB0")
+    hung = 0
+    for pp in range(2, 9):
+        for v in (1, 2, 3, 4):
+            kind = "1f1b" if v == 1 else "interleaved"
+            for m in range(pp, 33, pp):
+                schedule = build_schedule(kind, pp, m, v)
+                simulate(schedule, m, v)
+                simulate(build_schedule(kind, pp, m, v, forward_only=True), m, v, forward_only=True)
+                try:
+                    simulate(unbatched(schedule, v), m, v)
+                except ScheduleError:
+                    hung += 1
+    assert hung >= 0.9 * sum(len(range(pp, 33, pp)) for pp in range(2, 9)) * 4  # the old order hangs almost always
+
+
+def test_print_schedule_shows_the_groups(capsys):
+    assert print_schedule.main(["--pp", "2", "--microbatches", "2", "--ops"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 ops: F0 [sF0] F1 [sF1 rB0] B0 [rB1] B1" in out
+    assert "rank 1 ops: [rF0] F0 B0 [sB0 rF1] F1 B1 [sB1]" in out

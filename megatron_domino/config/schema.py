@@ -39,6 +39,7 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     init_std: float = 0.02
     recompute: str = "none"  # none | full | selective
+    attention_backend: str = "auto"  # auto | flash | efficient | math: SDPA kernel; pinned ones raise if unusable
 
     @property
     def ffn_size(self) -> int:
@@ -84,7 +85,12 @@ class ParallelConfig:
     pipeline_layout: Optional[list] = None  # explicit layers per stage, e.g. [3, 5]
     variable_seq_lengths: bool = False
     backend: str = "auto"  # auto | nccl | gloo
-    timeout_s: float = 600.0  # collective / p2p watchdog timeout
+    timeout_s: float = 600.0  # watchdog: seconds without progress before a rank reports the hang and exits
+    # process groups' (NCCL/gloo) timeout; None: 2 * timeout_s. Must be >= 2 * timeout_s so the watchdog's
+    # report (naming the silent peer) comes before NCCL's abort
+    collective_timeout_s: Optional[float] = None
+    # debug: make gloo obey NCCL's rules (untagged, rendezvous p2p; host tensors refused by collectives)
+    strict_transport: bool = False
 
 
 @dataclass
@@ -142,6 +148,7 @@ class DataConfig:
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
     mock: bool = False  # synthetic tokens, for tests and benchmarks only
+    index_build_timeout_s: float = 3600.0  # budget of index building (the watchdog's limit; others wait this long)
 
 
 @dataclass
@@ -163,6 +170,8 @@ class CheckpointConfig:
     load: Optional[str] = None  # a checkpoint directory, or "auto" for the latest in `dir`
     keep: int = 2  # newest checkpoints kept; 0 keeps all
     save_at_end: bool = True
+    save_timeout_s: float = 3600.0  # budget of a save: the watchdog's limit and each wait for the other ranks
+    load_timeout_s: float = 3600.0  # budget of a load, likewise
 
 
 @dataclass
@@ -174,6 +183,7 @@ class LogConfig:
     tensorboard: bool = True
     timers: bool = False
     peak_tflops: Optional[float] = None  # per device; None: looked up from the device name when known
+    sync_debug: bool = False  # CUDA only: a host sync in a steady-state training step raises
 
 
 @dataclass

@@ -19,6 +19,7 @@ POSITION_EMBEDDINGS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 RECOMPUTE = ("none", "full", "selective")
+ATTENTION_BACKENDS = ("auto", "flash", "efficient", "math")
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
@@ -122,6 +123,13 @@ def _check_model(c: _Checks, cfg: Config) -> None:
     c.one_of("model.norm", m.norm, NORMS)
     c.one_of("model.activation", m.activation, ACTIVATIONS)
     c.one_of("model.recompute", m.recompute, RECOMPUTE)
+    c.one_of("model.attention_backend", m.attention_backend, ATTENTION_BACKENDS)
+    if m.attention_backend == "flash" and cfg.data.reset_attention_mask:
+        c.fail("model.attention_backend", m.attention_backend, "the flash kernel takes no attention mask, and "
+               "data.reset_attention_mask=true builds one", "use model.attention_backend=efficient or auto")
+    if m.attention_backend == "flash" and not (cfg.train.bf16 or cfg.train.fp16):
+        c.warnings.append("model.attention_backend=flash with fp32 weights runs on the CPU only: CUDA's flash "
+                          "kernel takes bf16 or fp16 (set train.bf16=true)")
     c.positive("model.norm_eps", m.norm_eps)
     c.positive("model.init_std", m.init_std)
     c.in_range("model.attention_dropout", m.attention_dropout, 0.0, 1.0)
@@ -179,12 +187,24 @@ def _check_layout(c: _Checks, cfg: Config) -> None:
                "lower parallel.pp or parallel.virtual_pp")
 
 
+def _check_timeouts(c: _Checks, p) -> None:
+    """The watchdog must report a hang (naming the silent peer) before NCCL aborts the collective."""
+    if not all([c.positive("parallel.timeout_s", p.timeout_s),
+                c.positive("parallel.collective_timeout_s", p.collective_timeout_s, optional=True)]):
+        return
+    if p.collective_timeout_s is not None and p.collective_timeout_s < 2 * p.timeout_s:
+        c.fail("parallel.collective_timeout_s", p.collective_timeout_s,
+               f"must be at least 2 * parallel.timeout_s = {2 * p.timeout_s:g}, so that the watchdog reports a hang "
+               f"before the collective aborts",
+               f"set parallel.collective_timeout_s >= {2 * p.timeout_s:g}, or null (2 * parallel.timeout_s)")
+
+
 def _check_parallel(c: _Checks, cfg: Config, world_size: int | None) -> int | None:
     """Returns the data-parallel size when it is known (set, or inferable from world_size)."""
     p, m = cfg.parallel, cfg.model
     ok = all([c.positive("parallel.tp", p.tp), c.positive("parallel.pp", p.pp),
               c.positive("parallel.dp", p.dp, optional=True), c.positive("parallel.virtual_pp", p.virtual_pp)])
-    c.positive("parallel.timeout_s", p.timeout_s)
+    _check_timeouts(c, p)
     c.positive("parallel.domino_chunks", p.domino_chunks)
     c.one_of("parallel.domino_split", p.domino_split, DOMINO_SPLITS)
     c.one_of("parallel.domino_overlap", p.domino_overlap, DOMINO_OVERLAPS)
@@ -289,6 +309,7 @@ def _check_optimizer(c: _Checks, cfg: Config) -> None:
 
 def _check_data(c: _Checks, cfg: Config, check_paths: bool) -> None:
     d = cfg.data
+    c.positive("data.index_build_timeout_s", d.index_build_timeout_s)
     if d.path is None and not d.mock:
         c.fail("data.path", None, "no data: data.path is unset and data.mock is false",
                "set data.path=[PREFIX] (PREFIX.bin/.idx from tools/preprocess_data.py) or data.mock=true")
@@ -329,6 +350,8 @@ def _check_files(c: _Checks, cfg: Config, check_paths: bool) -> None:
         c.fail("checkpoint.load", ck.load, "not found", "give an existing checkpoint directory, 'auto', or null")
     c.at_least("checkpoint.interval", ck.interval, 0)
     c.at_least("checkpoint.keep", ck.keep, 0)
+    c.positive("checkpoint.save_timeout_s", ck.save_timeout_s)
+    c.positive("checkpoint.load_timeout_s", ck.load_timeout_s)
     if ck.interval > 0 and ck.dir is None:
         c.fail("checkpoint.interval", ck.interval, "saving every N steps needs checkpoint.dir",
                "set checkpoint.dir=PATH")

@@ -59,7 +59,9 @@ def build_train_valid_test_datasets(cfg: Config, num_samples: tuple[int, int, in
     ``data.split`` is 0 or that asks for no samples.
 
     Index building runs where ``build_on_this_rank`` is True; then every rank calls ``barrier()`` (when given)
-    and loads the cached indices. With no barrier, each rank builds what it does not find.
+    and loads the cached indices. With no barrier, each rank builds what it does not find. The barrier should
+    wait over the store within ``data.index_build_timeout_s`` (the trainer passes its phase's store barrier):
+    a building rank may outlast the collective timeout that would abort a ``dist.barrier()``.
     """
     shares = parse_split(cfg.data.split)
     wanted = [share > 0 and n > 0 for share, n in zip(shares, num_samples)]

@@ -3,6 +3,10 @@
 The fused QKV weight is laid out group by group: for each KV group, its query heads, then its
 key head, then its value head. A TP rank's slice is then a contiguous run of whole groups,
 so GQA, MQA (one group: tp must be 1) and MHA (groups = heads) all shard the same way.
+
+``model.attention_backend`` pins SDPA to one kernel (flash, efficient, math). Unpinned, SDPA picks one per
+call and silently falls back to a slower kernel when the fast one cannot take the inputs; pinned, such a
+call raises, so a run that trains with ``flash`` has used flash attention throughout.
 """
 from __future__ import annotations
 
@@ -12,11 +16,20 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..parallel.random import get_tracker
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .recompute import recompute
 from .rope import apply_rotary
+
+SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                 "math": SDPBackend.MATH}
+
+
+def sdpa_backend(name: str):
+    """A context pinning SDPA to ``name``'s kernel (an unusable kernel raises); ``auto`` leaves the choice to torch."""
+    return contextlib.nullcontext() if name == "auto" else sdpa_kernel(SDPA_BACKENDS[name])
 
 
 class Attention(nn.Module):
@@ -26,6 +39,7 @@ class Attention(nn.Module):
         heads, groups, head_dim = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
         self.queries_per_group, self.local_groups, self.head_dim = heads // groups, groups // tp, head_dim
         self.dropout_p, self.selective = cfg.attention_dropout, cfg.recompute == "selective"
+        self.backend = cfg.attention_backend
         output_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(cfg.hidden_size, (heads + 2 * groups) * head_dim, group, bias=cfg.bias,
                                         sequence_parallel=sequence_parallel, grad_pieces=grad_pieces,
@@ -56,7 +70,7 @@ class Attention(nn.Module):
     def _core(self, q, k, v, attention_mask):
         """Softmax(QK^T/sqrt(d)) V; dropout on probabilities uses the TP stream (heads differ per rank)."""
         dropout = self.dropout_p if self.training else 0.0
-        with get_tracker().fork() if dropout > 0 else contextlib.nullcontext():
+        with get_tracker().fork() if dropout > 0 else contextlib.nullcontext(), sdpa_backend(self.backend):
             if attention_mask is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout)

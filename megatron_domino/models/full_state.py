@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..parallel.strict import to_host
 from ..tensor_parallel.sharding import get_shard_spec, shard, unshard
 
 
@@ -23,17 +24,20 @@ def shard_full(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp: int) -
 
 
 def gather_full(local: torch.Tensor, param: torch.Tensor, tp_group=None) -> torch.Tensor:
-    """The full CPU tensor from every TP rank's ``local`` (shaped like ``param``); collective over TP."""
+    """The full tensor, in host memory, from every TP rank's ``local`` (shaped like ``param``); collective over TP.
+
+    The shards are joined on their device and only the result goes to the host: an NCCL group takes
+    device tensors only.
+    """
     tp = dist.get_world_size(tp_group) if tp_group is not None else 1
     spec = get_shard_spec(param)
-    if spec is None or tp == 1:
-        full = local.detach().cpu().clone()
-    else:
-        pieces = [torch.empty_like(local) for _ in range(tp)]
-        dist.all_gather(pieces, local.detach().contiguous(), group=tp_group)
-        full = unshard([p.cpu() for p in pieces], spec)
+    full = local.detach()
+    if spec is not None and tp > 1:
+        pieces = [torch.empty_like(full) for _ in range(tp)]
+        dist.all_gather(pieces, full.contiguous(), group=tp_group)
+        full = unshard(pieces, spec)
     rows = getattr(param, "vocab_rows", None)
-    return full[:rows].clone() if rows is not None else full
+    return to_host(full[:rows] if rows is not None else full)
 
 
 def saved_parameters(model):
@@ -64,5 +68,5 @@ def load_full_state_dict(model, state: dict, tp_rank: int = 0, tp: int = 1, stri
 
 @torch.no_grad()
 def full_state_dict(model, tp_group=None) -> dict:
-    """Every stored parameter of this stage as a full-size CPU tensor (collective over TP)."""
+    """Every stored parameter of this stage as a full-size host tensor (collective over TP)."""
     return {name: gather_full(param, param, tp_group) for name, param in saved_parameters(model)}

@@ -96,7 +96,9 @@ class LanguageModel(nn.Module):
         batch_size = batch["tokens"].shape[0] if self.pre_process else input_tensor.shape[0]
         asynchronous = self.plan.enabled and self.tp > 1  # with one TP rank there is nothing to overlap
         rows, columns = self.plan.split_for(batch_size) if asynchronous else (1, 1)
-        slices = [slice(int(idx[0]), int(idx[-1]) + 1) for idx in torch.arange(batch_size).tensor_split(rows)]
+        base, extra = divmod(batch_size, rows)  # tensor_split's sizes, computed on the host
+        starts = [i * base + min(i, extra) for i in range(rows + 1)]
+        slices = [slice(begin, end) for begin, end in zip(starts, starts[1:])]
         if self.pre_process:
             chunks = [self._embed(batch, rows_, asynchronous) for rows_ in slices]
         else:

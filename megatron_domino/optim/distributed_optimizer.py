@@ -53,7 +53,7 @@ class DistributedOptimizer:
         dp = comm.group_size(dp_group)
         self.zero_stage = opt.zero_stage if dp > 1 else 0  # one DP rank: a shard is the whole
         self.dp_rank = dist.get_rank(dp_group) if dp > 1 else 0
-        self.scaler = loss_scaler_from_config(opt, fp16)
+        self.fp16, self.scaler = fp16, loss_scaler_from_config(opt, fp16)
         self.names = {id(p): name for chunk in model_chunks for name, p in chunk.named_global_parameters()}
         self.buffers = self._build_buffers(model_chunks)
         self.fragments: list[Fragment] = [f for buffer in self.buffers for f in buffer.fragments()]
@@ -126,17 +126,21 @@ class DistributedOptimizer:
         return fragment.grad if fragment is not None else self._buffer_of[id(param)].reduced_data[:0]
 
     # ----- the update ------------------------------------------------------------------------------
-    def step(self, lr: float) -> tuple[bool, float | None]:
+    def step(self, lr: float) -> tuple[bool, torch.Tensor | None]:
+        """Clip and update; returns (stepped, grad norm as a 0-dim device tensor, read it only to log).
+
+        Only fp16 waits for the device here: skipping an overflowed step needs the flag on the host.
+        Clipping multiplies by min(1, clip / norm) on the device.
+        """
         reduced = [buffer.reduced_data for buffer in self.buffers]
-        found_inf = self._found_inf(reduced)
-        self.scaler.update(found_inf)
-        if found_inf:
-            return False, None
+        if self.fp16:
+            found_inf = self._found_inf(reduced)
+            self.scaler.update(found_inf)
+            if found_inf:
+                return False, None
         norm = self._grad_norm()
         if self.opt.clip_grad > 0:
-            coefficient = self.opt.clip_grad / (norm + 1e-6)
-            if coefficient < 1.0:
-                torch._foreach_mul_(reduced, coefficient)
+            torch._foreach_mul_(reduced, (self.opt.clip_grad / (norm + 1e-6)).clamp(max=1.0))
         if self.optimizer is not None:
             self._update(lr)
         for buffer in self.buffers:
@@ -149,10 +153,10 @@ class DistributedOptimizer:
         found = found_inf_across_ranks(reduced, self.dp_group, self.scaler.inv_scale)
         if self.norm_groups:
             flag = torch.tensor(float(found), device=self.device)
-            found = global_norm(flag, self.norm_groups) > 0
+            found = bool(global_norm(flag, self.norm_groups).item() > 0)
         return found
 
-    def _grad_norm(self) -> float:
+    def _grad_norm(self) -> torch.Tensor:
         """L2 norm over TP x PP x DP; shards are summed over DP only when they are disjoint (ZeRO-1/2)."""
         grads = [f.grad for f in self.fragments if counts_once(f.param, self.tp_rank)]
         groups = ([self.dp_group] if self.zero_stage > 0 else []) + self.norm_groups
@@ -171,9 +175,10 @@ class DistributedOptimizer:
             master.grad = None
 
     # ----- checkpoints and accounting --------------------------------------------------------------
-    def state_dict_for_checkpoint(self) -> dict | None:
-        """Collective over DP. DP rank 0 gets {"params": {name: {"master", states...}}, "scaler", "step"}."""
-        return gather_checkpoint_state(self)
+    def state_dict_for_checkpoint(self, finish=None) -> dict | None:
+        """Collective over DP. DP rank 0 gets {"params": {name: {"master", states...}}, "scaler", "step"}
+        (``finish``: see ``gather_checkpoint_state``)."""
+        return gather_checkpoint_state(self, finish)
 
     def load_state_dict_from_checkpoint(self, state: dict) -> None:
         """The same structure, on every rank; each rank keeps its shard (any DP size or ZeRO stage)."""

@@ -24,16 +24,16 @@ def local_squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([g.float().pow(2).sum() for g in grads]).sum()
 
 
-def global_norm(local_squared: torch.Tensor, groups) -> float:
-    """sqrt of the sum of ``local_squared`` over every group in ``groups`` (None entries skipped)."""
+def global_norm(local_squared: torch.Tensor, groups) -> torch.Tensor:
+    """sqrt of the sum of ``local_squared`` over every group in ``groups`` (None entries skipped), on the device."""
     total = local_squared.clone()
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(total, group=group)
-    return total.sqrt().item()
+    return total.sqrt()
 
 
-def model_grad_norm(params, tp_rank: int, groups) -> float:
+def model_grad_norm(params, tp_rank: int, groups) -> torch.Tensor:
     """Norm of ``.grad`` over unsharded (non-ZeRO) parameters, each element once."""
     grads = [p.grad for p in params if p.grad is not None and counts_once(p, tp_rank)]
     device = grads[0].device if grads else torch.device("cpu")

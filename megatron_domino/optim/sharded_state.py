@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import torch
 
+from ..parallel.strict import to_host
 from .param_groups import STATE_KEYS, uses_apex
 
 
-def gather_checkpoint_state(dopt) -> dict | None:
-    """Collective over DP (one all-gather per bucket and key); the result on DP rank 0, None elsewhere."""
+def gather_checkpoint_state(dopt, finish=None) -> dict | None:
+    """Collective over DP (one all-gather per bucket and key); the result on DP rank 0, None elsewhere.
+
+    ``finish(name, value)`` turns each parameter's DP-gathered device tensor into what is kept (default:
+    a host copy); the checkpoint's joins TP shards first, on the device, one bucket at a time.
+    """
+    finish = finish or (lambda name, value: to_host(value))
     keys = ("master",) + STATE_KEYS[dopt.opt.name]
     states = dopt.optimizer.state if dopt.optimizer is not None else {}
     params: dict[str, dict] = {}
@@ -31,7 +37,8 @@ def gather_checkpoint_state(dopt) -> dict | None:
                     continue
                 for param, offset in zip(bucket.params, bucket.offsets):
                     value = full[offset:offset + param.numel()].view(param.shape)
-                    params.setdefault(dopt.names[id(param)], {})[key] = value.to("cpu", copy=True)
+                    name = dopt.names[id(param)]
+                    params.setdefault(name, {})[key] = finish(name, value)
     if dopt.dp_rank != 0:
         return None
     return {"params": params, "scaler": dopt.scaler.state_dict(), "step": dopt.steps}

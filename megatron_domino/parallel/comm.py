@@ -59,8 +59,13 @@ def _gather_last(x: torch.Tensor, group) -> torch.Tensor:
 
 
 # torch 2.13 renamed the flat collectives; older releases (>= 2.4 is supported) only have the old names.
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Looked up per call, so the strict mode's checks (parallel/strict.py) see them.
+def all_gather_flat(output: torch.Tensor, input_: torch.Tensor, **kwargs):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, input_, **kwargs)
+
+
+def reduce_scatter_flat(output: torch.Tensor, input_: torch.Tensor, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, input_, **kwargs)
 
 
 def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:

@@ -51,16 +51,37 @@ def choose_backend(backend: str = "auto") -> str:
 
 
 def device_for(backend: str) -> torch.device:
-    """The device of this rank: cuda:LOCAL_RANK under NCCL, the CPU under gloo."""
-    if backend == "nccl":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    """The device of this rank: the CPU under gloo; under NCCL cuda:(LOCAL_RANK mod visible devices).
+
+    torchrun shows every GPU of the node (local rank 5 -> cuda:5); slurm's per-task GPU binding shows
+    each task only its own (SLURM_LOCALID 5 -> cuda:0).
+    """
+    if backend != "nccl":
+        return torch.device("cpu")
+    visible = torch.cuda.device_count()
+    if visible == 0:
+        raise RuntimeError(f"parallel.backend = nccl but this process sees no CUDA device (CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). Fix: request GPUs for every task "
+                           f"(e.g. srun --gpus-per-task=1), or use parallel.backend=gloo on CPUs.")
+    index = int(os.environ.get("LOCAL_RANK", "0")) % visible
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
-def init_distributed(backend: str = "auto", timeout_s: float = 600.0) -> torch.device:
-    """Initialise the default group (if not yet) and return this rank's device."""
+def collective_timeout_s(parallel) -> float:
+    """The process groups' timeout for ``cfg.parallel``: ``collective_timeout_s``, or twice ``timeout_s``.
+
+    At least twice the watchdog's no-progress timeout (validated), so that a hang is reported by the
+    watchdog, naming the silent peer, before NCCL aborts the collective. The one place this is resolved.
+    """
+    return parallel.collective_timeout_s if parallel.collective_timeout_s is not None else 2 * parallel.timeout_s
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 1200.0) -> torch.device:
+    """Initialise the default group (if not yet) and return this rank's device.
+
+    ``timeout_s`` is the collective timeout: pass ``collective_timeout_s(cfg.parallel)``.
+    """
     _slurm_to_torchrun_env()
     backend = choose_backend(backend)
     if not dist.is_initialized():

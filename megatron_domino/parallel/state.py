@@ -12,18 +12,27 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .strict import install_collective_checks, strict_enabled
 from .topology import Topology
 
 
 class ParallelState:
-    """Topology + the groups this rank belongs to + its coordinates and device."""
+    """Topology + the groups this rank belongs to + its coordinates and device.
 
-    def __init__(self, topology: Topology, device: torch.device | None = None, timeout_s: float | None = None):
+    ``timeout_s`` is every group's collective timeout: ``launch.collective_timeout_s(cfg.parallel)``,
+    as for the default group (None: torch's default).
+    """
+
+    def __init__(self, topology: Topology, device: torch.device | None = None, timeout_s: float | None = None,
+                 strict: bool = False):
+        """``strict``: check every collective against NCCL's device rules (also on with the environment switch)."""
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call parallel.launch.init_distributed() first")
         if dist.get_world_size() != topology.world_size:
             raise ValueError(f"parallel: the topology is for {topology.world_size} ranks but {dist.get_world_size()} "
                              f"were launched. Fix: launch {topology.world_size} ranks or change tp/pp/dp.")
+        if strict or strict_enabled():
+            install_collective_checks()
         self.topology = topology
         self.rank = dist.get_rank()
         self.device = device if device is not None else torch.device("cpu")
@@ -85,12 +94,12 @@ _current: ParallelState | None = None
 
 
 def initialize(topology: Topology, device: torch.device | None = None, timeout_s: float | None = None,
-               print_rank_map: bool = True) -> ParallelState:
+               print_rank_map: bool = True, strict: bool = False) -> ParallelState:
     """Create this rank's groups and make them the current ones."""
     global _current
     if _current is not None:
         destroy()
-    _current = ParallelState(topology, device, timeout_s)
+    _current = ParallelState(topology, device, timeout_s, strict)
     if print_rank_map:
         table = _current.rank_map()
         if _current.rank == 0:

@@ -1,9 +1,10 @@
-"""Runs one rank's instruction list: forward/backward of model chunks and the p2p between them.
+"""Runs one rank's program: forward/backward of model chunks and the transfer groups between them.
 
-The executor holds no scheduling logic: the order comes from ``schedules.build_schedule``.
-It keeps at most the activations the schedule has in flight, releases each sent output's
-data (only its autograd graph stays), and tells the gradient synchroniser which backward is
-the last of the step so DP reductions overlap the cool-down. A failure names the instruction.
+The executor holds no scheduling logic: the order and the grouping of transfers come from
+``schedules.build_schedule``. It keeps at most the activations the schedule has in flight,
+releases each sent output's data (only its autograd graph stays; in a forward-only run the
+output is dropped), and tells the gradient synchroniser which backward is the last of the step
+so DP reductions overlap the cool-down. A failure names the step and the peers it waits for.
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from typing import Callable
 import torch
 from torch.autograd import Variable
 
-from .p2p import ACTIVATION_TAG, GRADIENT_TAG, P2P
-from .schedules import Instruction, virtual_stage
+from .p2p import ACTIVATION, GRADIENT, P2P, Transfer
+from .schedules import Instruction, TransferGroup, virtual_stage
 
 
 @dataclass
@@ -50,45 +51,72 @@ class PipelineExecutor:
         self.chunks, self.stage, self.p2p = chunks, stage, p2p
         self.loss_fn, self.on_backward = loss_fn, on_backward
         self.num_stages = stage.pp * stage.virtual_pp
-        self.current: Instruction | None = None
+        self.current: Instruction | TransferGroup | None = None
         self.position, self.length = 0, 0
 
     def _stage_of(self, chunk: int) -> int:
         return virtual_stage(self.stage.pp_rank, chunk, self.stage.pp)
 
-    def run(self, schedule: list[Instruction], microbatches: list[dict]) -> list[torch.Tensor]:
+    def run(self, schedule: list, microbatches: list[dict]) -> list[torch.Tensor]:
         """Execute ``schedule``; returns the detached loss sums of the micro-batches whose loss lives here."""
-        inputs, outputs, grads_in, grads_out, losses = {}, {}, {}, {}, []
-        last_backward = {c: max(i.microbatch for i in schedule if i.op == "backward" and i.chunk == c)
-                         for c in range(self.stage.virtual_pp) if any(i.chunk == c for i in schedule)}
+        self._inputs, self._outputs, self._grads_in, self._grads_out, losses = {}, {}, {}, {}, []
+        backwards = [s for s in schedule if s.op == "backward"]
+        self._forward_only = not backwards
+        last_backward = {c: max(i.microbatch for i in backwards if i.chunk == c)
+                         for c in {i.chunk for i in backwards}}
         self.length = len(schedule)
-        for self.position, instruction in enumerate(schedule):
-            self.current = instruction
-            key, op = (instruction.chunk, instruction.microbatch), instruction.op
-            if op == "recv_forward":
-                inputs[key] = self.p2p.recv(self.stage.activation_shape, self.stage.dtype, self.stage.prev_rank,
-                                            ACTIVATION_TAG, f"activation {instruction}").requires_grad_()
-            elif op == "forward":
-                outputs[key] = self._forward(instruction, inputs.get(key), microbatches, losses)
-            elif op == "send_forward":
-                self.p2p.send(outputs[key], self.stage.next_rank, ACTIVATION_TAG)
-                _release(outputs[key])
-            elif op == "recv_backward":
-                grads_in[key] = self.p2p.recv(self.stage.activation_shape, self.stage.dtype, self.stage.next_rank,
-                                              GRADIENT_TAG, f"gradient {instruction}")
-            elif op == "backward":
+        for self.position, step in enumerate(schedule):
+            self.current = step
+            if isinstance(step, TransferGroup):
+                self._exchange(step)
+                continue
+            key = (step.chunk, step.microbatch)
+            if step.op == "forward":
+                self._outputs[key] = self._forward(step, self._inputs.get(key), microbatches, losses)
+                if self._forward_only:
+                    self._inputs.pop(key, None)
+            else:
                 if self.on_backward is not None:
-                    self.on_backward(instruction.microbatch == last_backward[instruction.chunk])
-                _backward(outputs.pop(key), grads_in.pop(key, None))
-                source = inputs.pop(key, None)
-                if source is not None and self._stage_of(instruction.chunk) > 0:
-                    grads_out[key] = source.grad
-            elif op == "send_backward":
-                self.p2p.send(grads_out.pop(key), self.stage.prev_rank, GRADIENT_TAG)
-            self.p2p.prune()
+                    self.on_backward(step.microbatch == last_backward[step.chunk])
+                _backward(self._outputs.pop(key), self._grads_in.pop(key, None))
+                source = self._inputs.pop(key, None)
+                if source is not None and self._stage_of(step.chunk) > 0:
+                    self._grads_out[key] = source.grad
         self.current = None
         self.p2p.drain()
+        self._outputs.clear()
         return losses
+
+    def _exchange(self, group: TransferGroup) -> None:
+        """One transfer group: sends of what was computed, receives of what comes next."""
+        transfers = [self._transfer(t) for t in group.transfers]
+        received = iter(self.p2p.exchange(transfers))
+        for inst in group.transfers:
+            key = (inst.chunk, inst.microbatch)
+            if inst.op == "recv_forward":
+                tensor = next(received)
+                self._inputs[key] = tensor if self._forward_only else tensor.requires_grad_()
+            elif inst.op == "recv_backward":
+                self._grads_in[key] = next(received)
+            elif inst.op == "send_forward":
+                output = self._outputs.pop(key)
+                if not self._forward_only:
+                    _release(output)
+                    self._outputs[key] = output
+
+    def _transfer(self, inst: Instruction) -> Transfer:
+        stage, key, s = self._stage_of(inst.chunk), (inst.chunk, inst.microbatch), self.stage
+        label = f"{inst.label(s.virtual_pp > 1)}"
+        if inst.op == "send_forward":
+            return Transfer(s.next_rank, f"activation {label}", (ACTIVATION, inst.microbatch, stage + 1),
+                            tensor=self._outputs[key])
+        if inst.op == "send_backward":
+            return Transfer(s.prev_rank, f"gradient {label}", (GRADIENT, inst.microbatch, stage - 1),
+                            tensor=self._grads_out.pop(key))
+        forward = inst.op == "recv_forward"
+        return Transfer(s.prev_rank if forward else s.next_rank, f"{'activation' if forward else 'gradient'} {label}",
+                        (ACTIVATION if forward else GRADIENT, inst.microbatch, stage),
+                        shape=s.activation_shape, dtype=s.dtype)
 
     def _forward(self, instruction: Instruction, input_tensor, microbatches, losses):
         chunk = self.chunks[instruction.chunk]
@@ -100,9 +128,14 @@ class PipelineExecutor:
         return output
 
     def describe(self) -> str:
-        """The instruction being executed, for hang and failure reports."""
+        """The step being executed, for hang and failure reports."""
         if self.current is None:
             return "idle"
-        text = f"{self.current} (op {self.current.op}, instruction {self.position + 1} of {self.length})"
-        peer = {"recv_forward": self.stage.prev_rank, "recv_backward": self.stage.next_rank}.get(self.current.op)
-        return text if peer is None else f"{text}, waiting for rank {peer}"
+        text = f"{self.current} (step {self.position + 1} of {self.length})"
+        if not isinstance(self.current, TransferGroup):
+            return text
+        peers = sorted({self._transfer_peer(t) for t in self.current.transfers})
+        return f"{text}, transfers with rank{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))}"
+
+    def _transfer_peer(self, inst: Instruction) -> int:
+        return self.stage.next_rank if inst.op in ("send_forward", "recv_backward") else self.stage.prev_rank

@@ -1,69 +1,121 @@
-"""Point-to-point transfers between adjacent pipeline stages.
+"""Point-to-point transfers between pipeline stages, issued the way NCCL needs them.
 
-Sends are non-blocking (the schedule never waits on them; completed ones are pruned, which
-is when an activation's memory is finally released). Receives block, with a timeout that
-names the peer, the tensor and the instruction, so a dead neighbour is reported instead of
-hanging forever. Activations and gradients use different tags (gloo honours them; NCCL
-matches in order, and the schedules keep each channel in FIFO order, so both work).
-With ``variable_shapes`` the shape travels first, as a small int64 tensor.
+NCCL ignores tags, matches a pair's transfers in issue order, and completes a large send
+only once the peer's receive runs. So every transfer goes out in a group
+(``batch_isend_irecv``) that the schedule built to pair a send with the receive its peer
+is waiting to post (see ``schedules.add_transfers``), no tags are used, and nothing
+relies on buffering. On CUDA a receive's wait goes on the compute stream and the CPU
+runs on; on the CPU (gloo) it blocks with the collective timeout, naming the peer. A dead
+peer is reported by the watchdog either way: its timeout is the shorter one. Sends are
+kept until complete, so their buffers live as long as NCCL reads them. With
+``variable_shapes`` a group first exchanges the shapes (one int64 tensor per transfer).
+
+On NCCL, ``init_process_group(device_id=...)`` creates the communicator eagerly, which
+batched p2p needs when it is the first operation a group sees.
 """
 from __future__ import annotations
 
 import datetime
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-ACTIVATION_TAG, GRADIENT_TAG = 0, 1
 _MAX_DIMS = 8
+ACTIVATION, GRADIENT, SHAPE = 0, 1, 2  # what travels; the strict transport checks both sides agree
 
 
 class P2PTimeout(RuntimeError):
     pass
 
 
+@dataclass
+class Transfer:
+    """One side of a point-to-point transfer: a send of ``tensor`` or a receive of ``shape``/``dtype``."""
+
+    peer: int  # global rank
+    label: str  # "activation F3.1 for stage 2", for reports
+    key: tuple[int, int, int]  # (ACTIVATION | GRADIENT | SHAPE, micro-batch, receiving virtual stage)
+    tensor: torch.Tensor | None = None  # set on a send
+    shape: tuple | None = None  # set on a receive
+    dtype: torch.dtype | None = None
+
+    @property
+    def is_send(self) -> bool:
+        return self.tensor is not None
+
+
 class P2P:
     def __init__(self, device: torch.device, timeout_s: float, variable_shapes: bool = False):
         self.device, self.variable_shapes = device, variable_shapes
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.waits_on_stream = device.type == "cuda"
         self._pending_sends: list[tuple[object, torch.Tensor]] = []
         self._wait_seconds = 0.0
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        tensor = tensor.detach().contiguous()
+    def exchange(self, transfers: list[Transfer]) -> list[torch.Tensor]:
+        """Issue ``transfers`` as one group; returns the received tensors, in the order of the receives."""
         if self.variable_shapes:
-            shape = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64, device=self.device)
-            shape[0] = tensor.dim()
-            shape[1:tensor.dim() + 1] = torch.tensor(tensor.shape)
-            self._pending_sends.append((dist.isend(shape, dst, tag=tag), shape))
-        self._pending_sends.append((dist.isend(tensor, dst, tag=tag), tensor))
-        self.prune()
+            self._exchange_shapes(transfers)
+        return self._exchange(transfers)
 
-    def recv(self, shape, dtype, src: int, tag: int, what: str) -> torch.Tensor:
-        if self.variable_shapes:
-            header = torch.empty(_MAX_DIMS + 1, dtype=torch.int64, device=self.device)
-            self._wait(dist.irecv(header, src, tag=tag), src, f"shape of {what}")
-            shape = tuple(header[1:int(header[0]) + 1].tolist())
-        buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        self._wait(dist.irecv(buffer, src, tag=tag), src, what)
-        return buffer
+    def _exchange(self, transfers: list[Transfer]) -> list[torch.Tensor]:
+        buffers = [t.tensor.detach().contiguous() if t.is_send else
+                   torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in transfers]
+        works = self._launch(transfers, buffers)
+        received = []
+        for transfer, buffer, work in zip(transfers, buffers, works):
+            if transfer.is_send:
+                self._pending_sends.append((work, buffer))
+            else:
+                self._wait(work, transfer)
+                received.append(buffer)
+        self.prune()
+        return received
+
+    def _exchange_shapes(self, transfers: list[Transfer]) -> None:
+        """Send each tensor's shape ahead of it, and fill in each receive's shape."""
+        headers = []
+        for t in transfers:
+            header = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64, device=self.device)
+            if t.is_send:
+                header[0] = t.tensor.dim()
+                header[1:t.tensor.dim() + 1] = torch.tensor(t.tensor.shape)
+            headers.append(header)
+        shapes = [Transfer(t.peer, f"shape of {t.label}", (SHAPE,) + t.key[1:],
+                           tensor=h if t.is_send else None, shape=None if t.is_send else h.shape, dtype=h.dtype)
+                  for t, h in zip(transfers, headers)]
+        received = iter(self._exchange(shapes))
+        for t in transfers:
+            if not t.is_send:
+                header = next(received)
+                t.shape = tuple(header[1:int(header[0]) + 1].tolist())
+
+    def _launch(self, transfers: list[Transfer], buffers: list[torch.Tensor]) -> list:
+        ops = [dist.P2POp(dist.isend if t.is_send else dist.irecv, buffer, t.peer)
+               for t, buffer in zip(transfers, buffers)]
+        return dist.batch_isend_irecv(ops)
 
     def take_wait_seconds(self) -> float:
-        """Time spent blocked in receives since the last call (the timers' "p2p-wait")."""
+        """CPU time blocked in receives since the last call (the timers' "p2p-wait"; 0 on CUDA, where
+        receives are waited on the stream)."""
         seconds, self._wait_seconds = self._wait_seconds, 0.0
         return seconds
 
-    def _wait(self, work, src: int, what: str) -> None:
+    def _wait(self, work, transfer: Transfer) -> None:
+        if self.waits_on_stream:
+            work.wait()  # the current stream waits; the CPU does not
+            return
         start = time.perf_counter()
         try:
             completed = work.wait(self.timeout)
         except RuntimeError as error:
-            raise P2PTimeout(f"pipeline receive of {what} from rank {src} failed or timed out after "
-                             f"{self.timeout.total_seconds():.0f}s: {error}") from error
+            raise P2PTimeout(f"pipeline receive of {transfer.label} from rank {transfer.peer} failed or timed out "
+                             f"after {self.timeout.total_seconds():.0f}s: {error}") from error
         self._wait_seconds += time.perf_counter() - start
         if completed is False:
-            raise P2PTimeout(f"pipeline receive of {what} from rank {src} timed out after "
+            raise P2PTimeout(f"pipeline receive of {transfer.label} from rank {transfer.peer} timed out after "
                              f"{self.timeout.total_seconds():.0f}s")
 
     def prune(self) -> None:
@@ -71,6 +123,7 @@ class P2P:
         self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
 
     def drain(self) -> None:
+        """Wait for every send (on the stream under CUDA): the end of a schedule."""
         for work, _ in self._pending_sends:
-            work.wait(self.timeout)
+            work.wait() if self.waits_on_stream else work.wait(self.timeout)
         self._pending_sends = []

@@ -1,18 +1,21 @@
-"""Pipeline schedules as data: one list of instructions per pipeline rank.
+"""Pipeline schedules as data: one list of steps per pipeline rank.
 
 Keeping the schedule a plain value (instead of code interleaved with p2p calls)
-lets the simulator prove it deadlock-free and FIFO-consistent without starting a
+lets the simulator prove it deadlock-free under NCCL's rules without starting a
 process, and lets the executor stay a dumb loop over the list.
 
 Layout: rank ``r`` holds ``virtual_pp`` model chunks; chunk ``c`` is global
 virtual stage ``c * pp + r`` (Megatron's interleaved layout). Activations of
 virtual stage ``s`` go to stage ``s + 1``; gradients flow back.
 
-Each compute instruction is immediately preceded by the receive that feeds it
-and immediately followed by the send of what it produced. Sends are
-non-blocking, receives block. Every rank visits forwards (and, separately,
-backwards) in the same rank-independent ``(chunk, microbatch)`` order, which is
-what keeps each channel's sends and receives in the same order (NCCL has no tags).
+A rank's program alternates compute instructions with ``TransferGroup``s. The group
+between two computes holds the send of what the first produced and the receive of what
+the second consumes, issued together as one ``batch_isend_irecv`` (Megatron's
+send-forward/receive-backward pairing). NCCL ignores tags, matches each pair's transfers
+in issue order and completes a large send only once its receive runs; grouping the
+send with the receive is what keeps neighbours from each waiting on the other's send.
+Every rank visits forwards (and, separately, backwards) in the same rank-independent
+``(chunk, microbatch)`` order, which keeps each pair's sends and receives in one order.
 """
 from __future__ import annotations
 
@@ -62,8 +65,25 @@ def virtual_stage(pp_rank: int, chunk: int, pp: int) -> int:
     return chunk * pp + pp_rank
 
 
-def with_transfers(compute: Instruction, stage: int, num_stages: int) -> list[Instruction]:
-    """Surround a compute instruction of virtual ``stage`` with the receive it needs and the send it feeds."""
+@dataclass(frozen=True)
+class TransferGroup:
+    """Transfers issued together (one ``batch_isend_irecv``); the group completes when all of them have."""
+
+    transfers: tuple[Instruction, ...]
+
+    op = "transfers"
+    is_compute = False
+
+    def label(self, show_chunk: bool) -> str:
+        """"[sF3 rB1]": the grouped transfers, as ``--ops`` prints them."""
+        return "[" + " ".join(t.label(show_chunk) for t in self.transfers) + "]"
+
+    def __str__(self) -> str:
+        return self.label(any(t.chunk for t in self.transfers))
+
+
+def transfers_of(compute: Instruction, stage: int, num_stages: int) -> tuple[list[Instruction], list[Instruction]]:
+    """(receives it needs, sends it feeds) of a compute instruction on virtual ``stage``."""
     mb, chunk = compute.microbatch, compute.chunk
     if compute.op == "forward":
         needs_recv, needs_send = stage > 0, stage < num_stages - 1
@@ -72,21 +92,39 @@ def with_transfers(compute: Instruction, stage: int, num_stages: int) -> list[In
         needs_recv, needs_send = stage < num_stages - 1, stage > 0
         recv, send = "recv_backward", "send_backward"
     else:
-        raise ValueError(f"with_transfers needs a forward or backward instruction, got {compute.op!r}")
-    out = [Instruction(recv, mb, chunk)] if needs_recv else []
-    out.append(compute)
-    if needs_send:
-        out.append(Instruction(send, mb, chunk))
-    return out
+        raise ValueError(f"transfers_of needs a forward or backward instruction, got {compute.op!r}")
+    recvs = [Instruction(recv, mb, chunk)] if needs_recv else []
+    return recvs, ([Instruction(send, mb, chunk)] if needs_send else [])
 
 
-def _one_forward_one_backward(forwards: list, backwards: list, warmup: int) -> list[Instruction]:
-    """Warm-up forwards, then alternate one forward with one backward, then drain the backwards."""
+def add_transfers(iterations: list[list[Instruction]], rank: int, pp: int, virtual_pp: int) -> list:
+    """A rank's program from its computes, grouped in iterations: after each iteration one transfer group
+    holds the iteration's sends and the receives the next iteration needs (and the first iteration's
+    receives come first). One compute per iteration is 1F1B's pairing; interleaving puts a forward and
+    a backward in each steady-state iteration, so receives are posted one iteration ahead (Megatron's)."""
+    stages = pp * virtual_pp
+    program, pending_sends = [], []
+    for iteration in iterations:
+        recvs, sends = [], []
+        for compute in iteration:
+            needed, produced = transfers_of(compute, virtual_stage(rank, compute.chunk, pp), stages)
+            recvs += needed
+            sends += produced
+        if pending_sends or recvs:
+            program.append(TransferGroup(tuple(pending_sends + recvs)))
+        program += iteration
+        pending_sends = sends
+    if pending_sends:
+        program.append(TransferGroup(tuple(pending_sends)))
+    return program
+
+
+def _one_forward_one_backward(forwards: list, backwards: list, warmup: int) -> list[list[Instruction]]:
+    """Warm-up forwards, then iterations of one forward and one backward, then drain the backwards."""
     steady = len(forwards) - warmup
-    order = list(forwards[:warmup])
-    for i in range(steady):
-        order += [forwards[warmup + i], backwards[i]]
-    return order + list(backwards[steady:])
+    iterations = [[f] for f in forwards[:warmup]]
+    iterations += [[forwards[warmup + i], backwards[i]] for i in range(steady)]
+    return iterations + [[b] for b in backwards[steady:]]
 
 
 def _interleaved_chunk(k: int, pp: int, virtual_pp: int, forward: bool) -> int:
@@ -99,7 +137,7 @@ def _interleaved_microbatch(k: int, pp: int, virtual_pp: int) -> int:
     return (k // (pp * virtual_pp)) * pp + k % pp
 
 
-def _interleaved_order(pp: int, rank: int, m: int, v: int) -> list[Instruction]:
+def _interleaved_order(pp: int, rank: int, m: int, v: int) -> list[list[Instruction]]:
     total = m * v
     fwd = [Instruction("forward", _interleaved_microbatch(k, pp, v), _interleaved_chunk(k, pp, v, True))
            for k in range(total)]
@@ -148,23 +186,28 @@ def _validate(kind: str, pp: int, m: int, v: int) -> None:
                              f"multiple of train.micro_batch_size * dp * {pp}, or set parallel.virtual_pp: 1")
 
 
-def build_schedule(kind: str, pp: int, num_microbatches: int, virtual_pp: int = 1) -> list[list[Instruction]]:
-    """Instruction list for every pipeline rank (index = rank).
+def build_schedule(kind: str, pp: int, num_microbatches: int, virtual_pp: int = 1,
+                   forward_only: bool = False) -> list[list]:
+    """Program (compute instructions and transfer groups) of every pipeline rank (index = rank).
 
     "none": pp = 1, F0 B0 F1 B1 ... (gradient accumulation, one micro-batch alive).
     "1f1b": warm-up of min(pp - rank - 1, m) forwards, steady one-forward-one-backward, cool-down.
     "interleaved": the same shape over m * virtual_pp chunk-micro-batches (Megatron's interleaved 1F1B).
+    ``forward_only`` (evaluation): the schedule's forwards in the same order, no backwards.
     """
     _validate(kind, pp, num_microbatches, virtual_pp)
-    m, stages = num_microbatches, pp * virtual_pp
+    m = num_microbatches
     schedule = []
     for rank in range(pp):
         if kind == "interleaved":
-            order = _interleaved_order(pp, rank, m, virtual_pp)
+            iterations = _interleaved_order(pp, rank, m, virtual_pp)
         else:
             fwd = [Instruction("forward", i) for i in range(m)]
             bwd = [Instruction("backward", i) for i in range(m)]
-            order = _one_forward_one_backward(fwd, bwd, min(pp - rank - 1, m))
-        schedule.append([t for inst in order
-                         for t in with_transfers(inst, virtual_stage(rank, inst.chunk, pp), stages)])
+            # 1F1B sends each output right after computing it: one compute per iteration.
+            iterations = [[c] for it in _one_forward_one_backward(fwd, bwd, min(pp - rank - 1, m)) for c in it]
+        if forward_only:
+            iterations = [[c for c in it if c.op == "forward"] for it in iterations]
+            iterations = [it for it in iterations if it]
+        schedule.append(add_transfers(iterations, rank, pp, virtual_pp))
     return schedule

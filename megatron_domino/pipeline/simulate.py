@@ -1,18 +1,22 @@
-"""Discrete-event simulation of a pipeline schedule, without processes.
+"""Discrete-event simulation of a pipeline schedule under NCCL's point-to-point rules, without processes.
 
-Runs every rank's instruction list in order under the executor's semantics
-(sends are non-blocking, receives block until the matching send has happened
-plus the transfer cost) and proves, before any GPU is touched, that a schedule
-is well formed, FIFO-consistent on every channel, deadlock-free, and how much
-of the step is bubble.
+The model is the strictest the hardware may apply:
+- tags do not exist: the k-th send from rank a to rank b delivers to the k-th receive that
+  b posts from a, whatever either side meant by it (a mismatch is an error);
+- every send is a rendezvous: it completes only once its receive has been posted (NCCL
+  buffers only small messages; a 32 MiB activation waits for the peer);
+- a transfer group (one ``batch_isend_irecv``) is posted as a whole and its rank waits
+  until every transfer in it has completed;
+- a rank runs its program in order.
+A schedule that finishes here finishes on NCCL (posting earlier or buffering only helps),
+and the simulation gives every compute op's time, hence the bubble.
 """
 from __future__ import annotations
 
-from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
-from .schedules import Instruction, virtual_stage, with_transfers
+from .schedules import Instruction, TransferGroup, transfers_of, virtual_stage
 
 Cost = Union[float, Sequence[float]]
 
@@ -27,7 +31,7 @@ class Costs:
 
     forward: Cost = 1.0
     backward: Cost = 2.0
-    comm: float = 0.0  # latency from a send until the matching receive can complete
+    comm: float = 0.0  # from the moment both sides of a transfer are posted until it completes
 
     def of(self, inst: Instruction, stage: int) -> float:
         cost = self.forward if inst.op == "forward" else self.backward
@@ -68,21 +72,27 @@ class SimulationResult:
         return sum(self.idle) / (self.pp * self.makespan) if self.makespan else 0.0
 
 
-def _name(inst: Instruction, virtual_pp: int) -> str:
-    return inst.label(virtual_pp > 1)
+def _name(step, virtual_pp: int) -> str:
+    return step.label(virtual_pp > 1)
 
 
-def check_structure(schedule: list[list[Instruction]], num_microbatches: int, virtual_pp: int = 1) -> None:
-    """Each rank runs every (chunk, micro-batch) forward then backward exactly once, with transfers adjacent."""
+def _flatten(program: list) -> list[Instruction]:
+    return [t for step in program for t in (step.transfers if isinstance(step, TransferGroup) else (step,))]
+
+
+def check_structure(schedule: list[list], num_microbatches: int, virtual_pp: int = 1,
+                    forward_only: bool = False) -> None:
+    """Each rank runs every (chunk, micro-batch) forward (then backward) exactly once, with transfers adjacent."""
     pp, stages = len(schedule), len(schedule) * virtual_pp
     expected_units = {(c, mb) for c in range(virtual_pp) for mb in range(num_microbatches)}
     for rank, program in enumerate(schedule):
-        computes = [inst for inst in program if inst.is_compute]
+        flat = _flatten(program)
+        computes = [inst for inst in flat if inst.is_compute]
         for inst in computes:
             if not (0 <= inst.chunk < virtual_pp and 0 <= inst.microbatch < num_microbatches):
                 raise ScheduleError(f"rank {rank}: {_name(inst, virtual_pp)} is outside chunk 0..{virtual_pp - 1} "
                                     f"or micro-batch 0..{num_microbatches - 1}")
-        for op in ("forward", "backward"):
+        for op in ("forward",) if forward_only else ("forward", "backward"):
             units = [(i.chunk, i.microbatch) for i in computes if i.op == op]
             if len(units) != len(set(units)) or set(units) != expected_units:
                 missing = sorted(expected_units - set(units))
@@ -95,82 +105,128 @@ def check_structure(schedule: list[list[Instruction]], num_microbatches: int, vi
             if inst.op == "backward" and unit not in done:
                 raise ScheduleError(f"rank {rank}: {_name(inst, virtual_pp)} runs before its forward")
             done.add(unit)
-        wanted = [t for inst in computes for t in with_transfers(inst, virtual_stage(rank, inst.chunk, pp), stages)]
-        for i, (have, want) in enumerate(zip(list(program) + [None], wanted + [None])):
-            if have != want:
-                got = _name(have, virtual_pp) if have else "end of list"
-                need = _name(want, virtual_pp) if want else "end of list"
-                raise ScheduleError(f"rank {rank}, instruction {i}: found {got} but expected {need}; each receive "
-                                    f"must come right before the compute that consumes it and each send right after "
-                                    f"the compute that produces it (none on the first/last virtual stage)")
+        _check_transfers(program, rank, pp, virtual_pp)
 
 
-def _peer(inst: Instruction, rank: int, pp: int) -> tuple[str, int, int]:
-    """(direction, peer virtual stage, this virtual stage) of a transfer."""
+def _check_transfers(program: list, rank: int, pp: int, virtual_pp: int) -> None:
+    """Every transfer a compute needs exists once: each receive is in a group before the compute that
+    consumes it, each send in a group after the compute that produces it."""
+    stages, done, seen = pp * virtual_pp, set(), set()
+    for index, step in enumerate(program):
+        if step.is_compute:
+            recvs, sends = transfers_of(step, virtual_stage(rank, step.chunk, pp), stages)
+            missing = [r for r in recvs if r not in seen]
+            if missing:
+                raise ScheduleError(f"rank {rank}, step {index}: {_name(step, virtual_pp)} runs before its "
+                                    f"receive {_name(missing[0], virtual_pp)}; each receive must be in a transfer "
+                                    f"group before the compute that consumes it")
+            done.add(step)
+            continue
+        for transfer in step.transfers:
+            compute = Instruction("forward" if transfer.op.endswith("forward") else "backward", transfer.microbatch,
+                                  transfer.chunk)
+            recvs, sends = transfers_of(compute, virtual_stage(rank, compute.chunk, pp), stages)
+            if transfer in seen or transfer not in recvs + sends:
+                raise ScheduleError(f"rank {rank}, step {index}: {_name(transfer, virtual_pp)} is "
+                                    f"{'repeated' if transfer in seen else 'not needed (first/last virtual stage)'}")
+            if (transfer in recvs) == (compute in done):
+                raise ScheduleError(f"rank {rank}, step {index}: {_name(transfer, virtual_pp)} comes "
+                                    f"{'after' if compute in done else 'before'} {_name(compute, virtual_pp)}; a "
+                                    f"receive must precede the compute that consumes it and a send follow the one "
+                                    f"that produces it")
+            seen.add(transfer)
+    needed = {t for c in done for t in sum(transfers_of(c, virtual_stage(rank, c.chunk, pp), stages), [])}
+    if needed - seen:
+        raise ScheduleError(f"rank {rank}: transfers missing: "
+                            f"{' '.join(sorted(_name(t, virtual_pp) for t in needed - seen))}")
+
+
+def _payload(inst: Instruction, rank: int, pp: int) -> tuple[int, int, int, int]:
+    """(source rank, destination rank, what travels: ("activation"|"gradient", micro-batch, receiving stage))."""
     stage = virtual_stage(rank, inst.chunk, pp)
-    forward = inst.op.endswith("forward")
-    sending = inst.op.startswith("send")
-    peer = stage + 1 if forward == sending else stage - 1
-    return ("activation" if forward else "gradient"), peer, stage
+    forward, sending = inst.op.endswith("forward"), inst.op.startswith("send")
+    peer_stage = stage + 1 if forward == sending else stage - 1
+    receiving_stage = peer_stage if sending else stage
+    src, dst = (rank, peer_stage % pp) if sending else (peer_stage % pp, rank)
+    return src, dst, ("activation" if forward else "gradient", inst.microbatch, receiving_stage)
 
 
-def _max_in_flight(program: list[Instruction]) -> int:
+def _match_transfers(schedule: list[list], virtual_pp: int) -> dict:
+    """(rank, step index, transfer) -> (peer rank, peer's step index), pairing by order per directed pair."""
+    pp = len(schedule)
+    sends, recvs = {}, {}
+    for rank, program in enumerate(schedule):
+        for index, step in enumerate(program):
+            for inst in step.transfers if isinstance(step, TransferGroup) else ():
+                src, dst, payload = _payload(inst, rank, pp)
+                side = sends if inst.op.startswith("send") else recvs
+                side.setdefault((src, dst), []).append((rank, index, inst, payload))
+    counterpart = {}
+    for pair in sorted(set(sends) | set(recvs)):
+        out, into = sends.get(pair, []), recvs.get(pair, [])
+        for k, (sent, received) in enumerate(zip(out, into)):
+            if sent[3] != received[3]:
+                raise ScheduleError(
+                    f"rank {pair[1]} {_name(received[2], virtual_pp)} would receive {_name(sent[2], virtual_pp)} "
+                    f"from rank {pair[0]} (transfer {k} on that pair): sends on rank {pair[0]} and receives on rank "
+                    f"{pair[1]} are in different orders, so NCCL (no tags) would deliver the wrong tensor")
+            counterpart[(sent[0], sent[1], sent[2])] = (received[0], received[1])
+            counterpart[(received[0], received[1], received[2])] = (sent[0], sent[1])
+        if len(out) != len(into):
+            raise ScheduleError(f"rank {pair[0]} sends {len(out)} tensors to rank {pair[1]}, which receives "
+                                f"{len(into)}: the surplus would never complete")
+    return counterpart
+
+
+def _max_in_flight(program: list) -> int:
     alive = peak = 0
-    for inst in program:
-        alive += {"forward": 1, "backward": -1}.get(inst.op, 0)
+    for step in program:
+        alive += {"forward": 1, "backward": -1}.get(step.op, 0)
         peak = max(peak, alive)
     return peak
 
 
-def simulate(schedule: list[list[Instruction]], num_microbatches: int, virtual_pp: int = 1,
-             costs: Costs = Costs(), channels: str = "per_kind") -> SimulationResult:
-    """Run ``schedule`` and return per-rank op times; raise ScheduleError if the executor would fail.
-
-    ``channels``: "per_kind" matches transfers in FIFO order per (src, dst, activation|gradient), which is what
-    the executor guarantees; "per_pair" matches per (src, dst) only, as one untagged NCCL stream would.
-    """
-    if channels not in ("per_kind", "per_pair"):
-        raise ValueError(f"channels = {channels!r} must be 'per_kind' or 'per_pair'")
+def simulate(schedule: list[list], num_microbatches: int, virtual_pp: int = 1, costs: Costs = Costs(),
+             forward_only: bool = False) -> SimulationResult:
+    """Run ``schedule`` under NCCL's rules and return per-rank op times; raise ScheduleError if it cannot finish."""
     if not schedule:
         raise ScheduleError("the schedule has no ranks; fix: pass one instruction list per pipeline rank")
-    check_structure(schedule, num_microbatches, virtual_pp)
+    check_structure(schedule, num_microbatches, virtual_pp, forward_only)
+    counterpart = _match_transfers(schedule, virtual_pp)
     pp = len(schedule)
-    queues: dict[tuple, deque] = defaultdict(deque)
     pc, clock = [0] * pp, [0.0] * pp
+    posted_at: dict[tuple[int, int], float] = {}
     spans: list[list[Span]] = [[] for _ in range(pp)]
     progress = True
     while progress:
         progress = False
         for rank, program in enumerate(schedule):
             while pc[rank] < len(program):
-                inst = program[pc[rank]]
-                if inst.is_compute:
+                step = program[pc[rank]]
+                if step.is_compute:
                     start = clock[rank]
-                    clock[rank] = start + costs.of(inst, virtual_stage(rank, inst.chunk, pp))
-                    spans[rank].append(Span(inst, start, clock[rank]))
+                    clock[rank] = start + costs.of(step, virtual_stage(rank, step.chunk, pp))
+                    spans[rank].append(Span(step, start, clock[rank]))
                 else:
-                    kind, peer, stage = _peer(inst, rank, pp)
-                    src, dst = (rank, peer % pp) if inst.op.startswith("send") else (peer % pp, rank)
-                    key = (src, dst) if channels == "per_pair" else (src, dst, kind)
-                    if inst.op.startswith("send"):
-                        queues[key].append((kind, inst.microbatch, peer, clock[rank] + costs.comm, inst))
-                    elif not queues[key]:
-                        break
-                    else:
-                        got_kind, mb, to_stage, arrival, sent = queues[key].popleft()
-                        if (got_kind, mb, to_stage) != (kind, inst.microbatch, stage):
-                            raise ScheduleError(
-                                f"rank {dst} {_name(inst, virtual_pp)} received {_name(sent, virtual_pp)} "
-                                f"from rank {src}: sends on rank {src} and receives on rank {dst} are in different "
-                                f"orders, so an untagged (NCCL) transfer would deliver the wrong tensor")
-                        clock[rank] = max(clock[rank], arrival)
+                    posted_at.setdefault((rank, pc[rank]), clock[rank])
+                    peers = [counterpart[(rank, pc[rank], t)] for t in step.transfers]
+                    if any(peer not in posted_at for peer in peers):
+                        break  # a peer has not posted its side yet
+                    clock[rank] = max([clock[rank]] + [posted_at[p] for p in peers]) + costs.comm
                 pc[rank] += 1
                 progress = True
     if any(pc[r] < len(schedule[r]) for r in range(pp)):
-        blocked = "; ".join(f"rank {r}: " + (f"waits at {_name(schedule[r][pc[r]], virtual_pp)} (instruction "
-                                              f"{pc[r]})" if pc[r] < len(schedule[r]) else "finished")
-                            for r in range(pp))
-        raise ScheduleError(f"deadlock: {blocked}")
-    # check_structure pairs every send with one receive on the peer, so all ranks finishing means all matched.
+        raise ScheduleError("deadlock under NCCL's rules: " + "; ".join(
+            _blocked(schedule, counterpart, posted_at, pc, r, virtual_pp) for r in range(pp)))
     return SimulationResult(pp=pp, virtual_pp=virtual_pp, num_microbatches=num_microbatches, spans=spans,
                             makespan=max(clock), max_in_flight=[_max_in_flight(p) for p in schedule])
+
+
+def _blocked(schedule, counterpart, posted_at, pc, rank: int, virtual_pp: int) -> str:
+    program = schedule[rank]
+    if pc[rank] >= len(program):
+        return f"rank {rank}: finished"
+    step = program[pc[rank]]
+    waits = [f"rank {peer[0]} to post its side of {_name(t, virtual_pp)}"
+             for t in step.transfers for peer in [counterpart[(rank, pc[rank], t)]] if peer not in posted_at]
+    return f"rank {rank}: waits at {_name(step, virtual_pp)} (step {pc[rank]}) for " + ", ".join(waits)

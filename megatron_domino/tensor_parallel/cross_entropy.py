@@ -21,8 +21,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         tp_rank = dist.get_rank(group) if tp > 1 else 0
         start, end = vocab_range(logits.shape[-1] * tp, tp_rank, tp)
         logits = logits.float()
-        padded_columns = torch.arange(start, end, device=logits.device) >= vocab_size
-        if padded_columns.any():
+        if end > vocab_size:  # this rank holds padding columns (known without looking at the device)
+            padded_columns = torch.arange(start, end, device=logits.device) >= vocab_size
             logits = logits.masked_fill(padded_columns, float("-inf"))
         local_max = logits.max(dim=-1).values
         if tp > 1 and not comm.communication_disabled():

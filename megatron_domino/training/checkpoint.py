@@ -9,6 +9,10 @@ Tensors are stored full-size (TP shards joined, ZeRO shards gathered, vocab padd
 so loading at another (tp, pp, dp, ZeRO stage) only re-slices. Files are written into
 ``.tmp-step_...``, fsynced, renamed into place, and ``latest`` is replaced last: a crash at any
 moment leaves ``latest`` naming a whole checkpoint. Loading never unpickles code.
+
+Saving and loading are phases with their own budgets (``checkpoint.save_timeout_s``/``load_timeout_s``):
+their waits for the other ranks go over the store, not through collectives that the collective timeout
+would abort, and they report progress so the watchdog tells a slow save from a hung one.
 """
 from __future__ import annotations
 
@@ -17,13 +21,13 @@ import os
 import shutil
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config.loader import config_from_dict, config_to_dict
 from ..models.full_state import gather_full, load_full_state_dict, saved_parameters, shard_full
 from ..parallel.random import capture_rng_state, restore_rng_state
+from ..parallel.store_barrier import Phase
 
 VERSION = 1
 LATEST = "latest"
@@ -58,30 +62,41 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def save_phase(cfg) -> Phase:
+    return Phase("checkpoint save", cfg.checkpoint.save_timeout_s, "checkpoint.save_timeout_s")
+
+
+def load_phase(cfg) -> Phase:
+    return Phase("checkpoint load", cfg.checkpoint.load_timeout_s, "checkpoint.load_timeout_s")
+
+
 def _optimizer_tensors(chunks, optimizer, state) -> tuple[dict[str, torch.Tensor], dict]:
     """Full-size optimizer tensors named '<param>/<key>', and the rest of the optimizer's state (scaler, step).
 
     Collective over DP, then over TP on DP rank 0; other ranks get nothing back.
     """
-    gathered = optimizer.state_dict_for_checkpoint()
+    params = {name: p for chunk in chunks for name, p in saved_parameters(chunk)}
+    gathered = optimizer.state_dict_for_checkpoint(
+        finish=lambda name, value: gather_full(value, params[name], state.tp_group) if name in params else None)
     if state.dp_rank != 0:
         return {}, {}
-    params = {name: p for chunk in chunks for name, p in saved_parameters(chunk)}
-    tensors = {}
-    for name, param in params.items():
-        for key, local in gathered["params"][name].items():
-            tensors[f"{name}/{key}"] = gather_full(local, param, state.tp_group)
+    tensors = {f"{name}/{key}": full for name in params for key, full in gathered["params"][name].items()}
     return tensors, {k: v for k, v in gathered.items() if k != "params"}
 
 
 def save_checkpoint(root: str, step: int, *, chunks, optimizer, schedule, consumed_samples: int, cfg, state,
-                    keep: int) -> str:
-    """Write a checkpoint of ``step`` under ``root`` (collective over every rank); returns its directory."""
+                    keep: int, phase: Phase | None = None) -> str:
+    """Write a checkpoint of ``step`` under ``root`` (collective over every rank); returns its directory.
+
+    ``phase`` (default ``save_phase(cfg)``) receives the progress; pass the one the watchdog watches.
+    """
+    phase = phase or save_phase(cfg)
     tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
     if state.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, "rng"))
-    dist.barrier()
+    phase.barrier("temporary directory created")
+    phase.progress("gathering the model and optimizer state")
     model = {}
     if state.dp_rank == 0:
         for chunk in chunks:
@@ -90,20 +105,22 @@ def save_checkpoint(root: str, step: int, *, chunks, optimizer, schedule, consum
     if state.dp_rank == 0 and state.tp_rank == 0:
         for prefix, tensors in (("model", model), ("optim", optim)):
             path = os.path.join(tmp, f"{prefix}-pp{state.pp_rank:03d}.safetensors")
+            phase.progress(f"writing {path}")
             save_file({k: v.contiguous() for k, v in tensors.items()}, path)
             _fsync_file(path)
     rng_path = os.path.join(tmp, "rng", f"rank{state.rank:05d}.pt")
     torch.save(capture_rng_state(), rng_path)
     _fsync_file(rng_path)
-    dist.barrier()
+    phase.barrier("every file written")
     final = os.path.join(root, step_dir_name(step))
     if state.rank == 0:
         metadata = {"version": VERSION, "step": step, "consumed_samples": consumed_samples,
                     "has_optimizer": True, "lr_schedule": schedule.state_dict(), "optimizer": optim_meta,
                     "layout": _layout(state, cfg), "config": config_to_dict(cfg)}
         _fsync_dir(os.path.join(tmp, "rng"))
+        phase.progress("publishing")
         publish_step_dir(root, tmp, metadata, keep)
-    dist.barrier()
+    phase.barrier("published")
     return final
 
 
@@ -196,21 +213,28 @@ def _read(index: dict, names) -> dict:
     return out
 
 
-def load_checkpoint(path: str, *, chunks, optimizer, schedule, cfg, state) -> dict:
-    """Load weights (and optimizer, schedule, RNG where present) into this rank; returns the metadata."""
+def load_checkpoint(path: str, *, chunks, optimizer, schedule, cfg, state, phase: Phase | None = None) -> dict:
+    """Load weights (and optimizer, schedule, RNG where present) into this rank; returns the metadata.
+
+    Ends when every rank has loaded, so no rank's first collective waits out a slow reader.
+    """
+    phase = phase or load_phase(cfg)
     metadata = read_metadata(path)
     check_compatible(metadata, cfg.model)
+    phase.progress("reading the model weights")
     index = _open_tensors(path, "model")
     names = {n for chunk in chunks for n, _ in chunk.named_global_parameters()}
     weights = _read(index, names)
     for chunk in chunks:
         load_full_state_dict(chunk, weights, state.tp_rank, state.tp_size)
     if metadata.get("has_optimizer") and optimizer is not None:
+        phase.progress("reading the optimizer state")
         _load_optimizer(path, chunks, optimizer, metadata, state)
         schedule.load_state_dict(metadata["lr_schedule"])
     rng_file = os.path.join(path, "rng", f"rank{state.rank:05d}.pt")
     if metadata.get("layout") == _layout(state, cfg) and os.path.exists(rng_file):
         restore_rng_state(torch.load(rng_file, weights_only=True))
+    phase.barrier("loaded")
     return metadata
 
 

@@ -1,7 +1,12 @@
 """Preemption: SIGTERM or SIGUSR1 (slurm's warning before the time limit) asks for a checkpoint and a clean exit.
 
-The handler only sets a flag. At each step boundary every rank learns, through one small
-all-reduce, whether any rank was signalled, so all of them save the same step together.
+The handler only sets a flag. Every rank must learn whether any rank was signalled, and decide at
+the same step, so all of them save the same step together. Asking with a blocking all-reduce and
+``.item()`` every step would stall the host on the whole world each step. Instead, at the end of
+step k ``should_stop`` launches an asynchronous MAX all-reduce of the flag (on CUDA followed by a
+non-blocking copy into pinned host memory and an event) and, at the end of step k+1, reads the
+result, which has long arrived by then. Every rank reads the same value at the same step: the
+decision comes one step after the signal.
 """
 from __future__ import annotations
 
@@ -14,8 +19,12 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class PreemptionHandler:
-    def __init__(self):
+    def __init__(self, device: torch.device):
         self.received: int | None = None
+        self._flag = torch.zeros(1, device=device)
+        self._host = torch.zeros(1, pin_memory=True) if self._flag.is_cuda else self._flag
+        self._copied = torch.cuda.Event() if self._flag.is_cuda else None
+        self._wait_for_flag = None  # set while a launched flag has not been read
         self._previous = {}
         for sig in PREEMPTION_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
@@ -23,13 +32,32 @@ class PreemptionHandler:
     def _on_signal(self, signum, frame) -> None:
         self.received = signum
 
-    def should_stop(self, device: torch.device) -> bool:
-        """Collective over the world: True on every rank when any rank was signalled."""
-        flag = torch.tensor([1.0 if self.received is not None else 0.0], device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def should_stop(self) -> bool:
+        """Call on every rank once per step, at the same point: True on every rank at the same step,
+        one step after any rank was signalled. Collective over the world (asynchronous)."""
+        stop = False
+        if self._wait_for_flag is not None:
+            self._wait_for_flag()  # in steady state long complete: no stall
+            stop = bool(self._host[0] > 0)
+        self._wait_for_flag = None if stop else self._launch()
+        return stop
 
-    def restore(self) -> None:
+    def _launch(self):
+        """Start the all-reduce of this rank's flag; returns what waits for its value in ``self._host``."""
+        self._flag.fill_(1.0 if self.received is not None else 0.0)
+        wait = lambda: None  # noqa: E731 - a world of one: the flag is the answer
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            wait = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True).wait
+        if not self._flag.is_cuda:
+            return wait
+        wait()  # NCCL: the current stream waits for the all-reduce, the host does not
+        self._host.copy_(self._flag, non_blocking=True)
+        self._copied.record()
+        return self._copied.synchronize
+
+    def close(self) -> None:
+        """Restore the previous handlers. A flag still in flight is left to finish on its own (every rank
+        launched it); waiting for it could hang when a peer has died."""
+        self._wait_for_flag = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)

@@ -20,10 +20,12 @@ from ..optim import LRSchedule
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..parallel import Topology, init_distributed
 from ..parallel import state as parallel_state
+from ..parallel.launch import collective_timeout_s
 from ..parallel.random import seed_streams
+from ..parallel.store_barrier import Phase
 from ..pipeline.engine import PipelineEngine
 from ..pipeline.stages import allreduce_sequence_parallel_grads, allreduce_tied_embedding_grads, build_stage_chunks
-from .checkpoint import load_checkpoint, resolve_load_path, save_checkpoint
+from .checkpoint import load_checkpoint, load_phase, resolve_load_path, save_checkpoint, save_phase
 from .metrics import MetricsWriter, Timers, device_peak_tflops, format_train_line, memory_gib
 from .signals import PreemptionHandler
 from .watchdog import Watchdog
@@ -37,9 +39,10 @@ class Trainer:
     def __init__(self, cfg):
         self.cfg = cfg
         par, train = cfg.parallel, cfg.train
-        self.device = init_distributed(par.backend, par.timeout_s)
+        self.device = init_distributed(par.backend, collective_timeout_s(par))
         topology = Topology(dist.get_world_size(), par.tp, par.pp, par.dp, par.virtual_pp, par.order)
-        self.state = parallel_state.initialize(topology, self.device, par.timeout_s)
+        self.state = parallel_state.initialize(topology, self.device, collective_timeout_s(par),
+                                                strict=par.strict_transport)
         seed_streams(train.seed, self.state.tp_rank, self.state.pp_rank, self.device)
         self.dtype = param_dtype(train)
         self.chunks = build_stage_chunks(cfg, self.state, dtype=self.dtype, device=self.device, init_seed=train.seed)
@@ -76,9 +79,11 @@ class Trainer:
         train = self.cfg.train
         eval_samples = train.eval_iters * train.global_batch_size
         evaluations = (train.steps // train.eval_interval + 1) if train.eval_interval else 1
-        train_ds, valid_ds, _ = build_train_valid_test_datasets(
-            self.cfg, (train.steps * train.global_batch_size, evaluations * eval_samples, 0),
-            build_on_this_rank=self.state.rank == 0, barrier=dist.barrier)
+        phase = Phase("index build", self.cfg.data.index_build_timeout_s, "data.index_build_timeout_s")
+        with self.watchdog.watching(phase):
+            train_ds, valid_ds, _ = build_train_valid_test_datasets(
+                self.cfg, (train.steps * train.global_batch_size, evaluations * eval_samples, 0),
+                build_on_this_rank=self.state.rank == 0, barrier=lambda: phase.barrier("indices cached"))
         reader = self._reads_data()
         make = lambda ds: (MicroBatchLoader(ds, train.global_batch_size, train.micro_batch_size,  # noqa: E731
                                             self.state.dp_rank, self.state.dp_size)
@@ -98,8 +103,9 @@ class Trainer:
         path = resolve_load_path(ckpt.load, ckpt.dir)
         if path is None:
             return
-        metadata = load_checkpoint(path, chunks=self.chunks, optimizer=self.optimizer, schedule=self.schedule,
-                                   cfg=self.cfg, state=self.state)
+        with self.watchdog.watching(load_phase(self.cfg)) as phase:
+            metadata = load_checkpoint(path, chunks=self.chunks, optimizer=self.optimizer, schedule=self.schedule,
+                                       cfg=self.cfg, state=self.state, phase=phase)
         if metadata.get("has_optimizer"):
             self.step = metadata["step"]
             self._consumed = metadata["consumed_samples"]
@@ -112,9 +118,10 @@ class Trainer:
         if not ckpt.dir:
             return
         self.phase = "saving a checkpoint"
-        path = save_checkpoint(ckpt.dir, self.step, chunks=self.chunks, optimizer=self.optimizer,
-                               schedule=self.schedule, consumed_samples=self._consumed, cfg=self.cfg,
-                               state=self.state, keep=ckpt.keep)
+        with self.watchdog.watching(save_phase(self.cfg)) as phase:
+            path = save_checkpoint(ckpt.dir, self.step, chunks=self.chunks, optimizer=self.optimizer,
+                                   schedule=self.schedule, consumed_samples=self._consumed, cfg=self.cfg,
+                                   state=self.state, keep=ckpt.keep, phase=phase)
         self._log_once(f"saved checkpoint {path}")
 
     def _log_once(self, message: str) -> None:
@@ -158,7 +165,7 @@ class Trainer:
             self.valid_loader.load_state_dict({"consumed_samples": 0})
         for _ in range(iters):
             total += self.engine.evaluate(self._next_microbatches(self.valid_loader))
-        loss = total / iters
+        loss = (total / iters).item()
         record = {"step": self.step, "split": "valid", "loss": loss, "ppl": math.exp(min(loss, 50.0))}
         self.metrics.write(record, f"validation at step {self.step} | loss {loss:.4f} | ppl {record['ppl']:.2f}")
         return record
@@ -169,7 +176,7 @@ class Trainer:
 
     def train(self) -> None:
         cfg, train = self.cfg, self.cfg.train
-        preemption = PreemptionHandler()
+        preemption = PreemptionHandler(self.device)
         tokens_per_step = train.global_batch_size * cfg.model.seq_length
         flops_per_step = flops_per_token(cfg.model, cfg.model.seq_length) * tokens_per_step
         peak = device_peak_tflops(self.device, cfg.log.peak_tflops)
@@ -177,9 +184,12 @@ class Trainer:
         first_step = self.step
         try:
             while not self._should_exit(self.step * tokens_per_step):
+                self._sync_debug(self.step - first_step >= 2 and not self._reads_host(self.step + 1, tokens_per_step))
                 result = self.train_step()
                 window_steps += 1
                 if self.step % cfg.log.interval == 0 or self.step == train.steps:
+                    if self.device.type == "cuda":  # the window's time must include its queued GPU work
+                        torch.cuda.synchronize(self.device)
                     elapsed = time.perf_counter() - window_start
                     self._log_step(result, elapsed / window_steps, tokens_per_step, flops_per_step, peak,
                                    (time.perf_counter() - start) / (self.step - first_step))
@@ -187,7 +197,8 @@ class Trainer:
                 if train.eval_interval and self.step % train.eval_interval == 0:
                     self.evaluate()
                 interval = cfg.checkpoint.interval
-                if preemption.should_stop(self.device):
+                if preemption.should_stop():  # decided one step after the signal, without a host sync
+                    self._sync_debug(False)
                     self._log_once(f"preemption signal received: saving at step {self.step} and exiting")
                     self.save()
                     return
@@ -196,16 +207,32 @@ class Trainer:
                     return
                 if interval and self.step % interval == 0 and self.step < train.steps:
                     self.save()
+            self._sync_debug(False)
             if cfg.checkpoint.save_at_end:
                 self.save()
         finally:
-            preemption.restore()
+            self._sync_debug(False)
+            preemption.close()
+
+    def _reads_host(self, step: int, tokens_per_step: int) -> bool:
+        """Whether ``step`` logs, evaluates or saves: those read values on the host (sync) by design."""
+        cfg, train = self.cfg, self.cfg.train
+        periodic = (cfg.log.interval, train.eval_interval, cfg.checkpoint.interval, train.exit_interval)
+        last = step >= train.steps or (train.tokens is not None and step * tokens_per_step >= train.tokens)
+        return last or any(k and step % k == 0 for k in periodic)
+
+    def _sync_debug(self, steady: bool) -> None:
+        """log.sync_debug on CUDA: a host sync raises while ``steady`` (torch's sync debug mode), so a run
+        proves its steady-state steps never wait for the GPU."""
+        if self.cfg.log.sync_debug and self.device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("error" if steady else "default")
 
     def _log_step(self, result, step_time, tokens_per_step, flops_per_step, peak, mean_step_time) -> None:
         world = self.state.topology.world_size
         in_use, peak_mem = memory_gib(self.device)
         tflops = flops_per_step / step_time / world / 1e12
-        record = {"step": self.step, "loss": result["loss"], "lr": result["lr"], "grad_norm": result["grad_norm"],
+        grad_norm = result["grad_norm"].item() if result["grad_norm"] is not None else None
+        record = {"step": self.step, "loss": result["loss"].item(), "lr": result["lr"], "grad_norm": grad_norm,
                   "skipped_steps": self.optimizer.skipped_steps, "tokens_per_s": tokens_per_step / step_time,
                   "tflops_per_device": tflops, "mfu": tflops / peak if peak else None, "mem_gib": in_use,
                   "mem_peak_gib": peak_mem, "step_time_s": step_time,

@@ -1,0 +1,88 @@
+"""The pipeline transport under NCCL's rules, on 2 gloo ranks: the strict transport reproduces the hang NCCL
+would have on the old one-transfer-at-a-time order, refuses transfers matched to the wrong tensor, and carries
+the grouped schedules' data intact (plain transport and strict alike)."""
+import torch
+
+from megatron_domino.pipeline.p2p import ACTIVATION, GRADIENT, P2P, P2PTimeout, Transfer
+from megatron_domino.pipeline.schedules import Instruction, TransferGroup, build_schedule, transfers_of
+from megatron_domino.pipeline.strict_transport import StrictP2P
+from tests.harness import run_ranks
+
+SHAPE = (2, 16, 8)  # one micro-batch's activation
+
+
+def _value(kind: int, microbatch: int) -> torch.Tensor:
+    return torch.full(SHAPE, 100.0 * kind + microbatch)
+
+
+def _transfer(inst, rank: int) -> Transfer:
+    """A tensor that says what it is, sent or expected the way the executor does it (pp = 2, v = 1)."""
+    kind = ACTIVATION if inst.op.endswith("forward") else GRADIENT
+    peer = 1 - rank
+    receiving_stage = peer if inst.op.startswith("send") else rank
+    if inst.op.startswith("send"):
+        return Transfer(peer, str(inst), (kind, inst.microbatch, receiving_stage), tensor=_value(kind, inst.microbatch))
+    return Transfer(peer, str(inst), (kind, inst.microbatch, receiving_stage), shape=SHAPE, dtype=torch.float32)
+
+
+def _drive(p2p, program, rank) -> int:
+    """Walk a program's transfer groups (computes skipped); check every received tensor; count them."""
+    received = 0
+    for step in program:
+        if not isinstance(step, TransferGroup):
+            continue
+        transfers = [_transfer(t, rank) for t in step.transfers]
+        tensors = iter(p2p.exchange(transfers))
+        for transfer in transfers:
+            if not transfer.is_send:
+                got = next(tensors)
+                assert torch.equal(got, _value(transfer.key[0], transfer.key[1])), (rank, transfer.label)
+                received += 1
+    p2p.drain()
+    return received
+
+
+def _unbatched(program, rank):
+    steps = []
+    for inst in (s for s in program if s.is_compute):
+        recvs, sends = transfers_of(inst, rank, 2)
+        steps += [TransferGroup((t,)) for t in recvs] + [inst] + [TransferGroup((t,)) for t in sends]
+    return steps
+
+
+def _rules(rank, world_size):
+    schedule = build_schedule("1f1b", 2, 4)[rank]
+    counts = [_drive(P2P(torch.device("cpu"), 30), schedule, rank),
+              _drive(StrictP2P(torch.device("cpu"), 30), schedule, rank),
+              _drive(StrictP2P(torch.device("cpu"), 30, variable_shapes=True), schedule, rank),
+              _drive(P2P(torch.device("cpu"), 30), _unbatched(schedule, rank), rank)]  # gloo forgives the old order
+    # Rank 0 sends activation 1 where rank 1 waits for activation 0: refused before any data moves.
+    wrong = [TransferGroup((Instruction("send_forward", 1) if rank == 0 else Instruction("recv_forward", 0),))]
+    try:
+        _drive(StrictP2P(torch.device("cpu"), 3), wrong, rank)
+    except (RuntimeError, P2PTimeout) as error:
+        return counts, str(error)
+    return counts, None
+
+
+def _old_order(rank, world_size):
+    try:
+        _drive(StrictP2P(torch.device("cpu"), 3), _unbatched(build_schedule("1f1b", 2, 4)[rank], rank), rank)
+    except P2PTimeout as error:
+        return str(error)
+    return None
+
+
+def test_strict_transport_carries_grouped_schedules_and_refuses_the_wrong_tensor():
+    (counts0, mismatch), (counts1, starved) = run_ranks(_rules, 2, timeout=120)
+    assert counts0 == [4] * 4 and counts1 == [4] * 4  # 4 gradients into stage 0, 4 activations into stage 1
+    assert "order mismatch" in mismatch and "sends activation of micro-batch 1 for stage 1" in mismatch
+    assert "expects activation of micro-batch 0 for stage 1" in mismatch
+    assert "receive of rF0 from rank 0" in starved
+
+
+def test_strict_transport_hangs_on_the_old_order_where_nccl_would():
+    """The issue's trace at pp 2, m 4: rank 0 blocks sending activation 1, rank 1 blocks sending gradient 0."""
+    hang0, hang1 = run_ranks(_old_order, 2, timeout=60)
+    assert "send of sF1 to rank 1" in hang0 and "would block forever" in hang0
+    assert "send of sB0 to rank 0" in hang1 and "would block forever" in hang1

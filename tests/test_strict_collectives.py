@@ -1,0 +1,69 @@
+"""Collectives on the right device (NCCL groups take device tensors only), checked on gloo by the strict mode.
+
+On CPU every tensor is a host tensor, so the strict mode marks the library's host copies (``to_host``) and
+refuses them at every collective; the checkpoint path must join shards on the device and copy afterwards."""
+import os
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_domino.models.full_state import gather_full
+from megatron_domino.parallel import Topology, state as parallel_state
+from megatron_domino.parallel.strict import HostCopy, check_collective, to_host
+from megatron_domino.tensor_parallel.sharding import ShardSpec, set_shard_spec
+from tests.harness import run_ranks
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_domino")
+
+
+def _checks(rank, world_size):
+    ps = parallel_state.initialize(Topology(world_size, 2, 1, 1), print_rank_map=False)  # installs the checks
+    param = torch.nn.Parameter(torch.full((2, 3), float(rank)))
+    set_shard_spec(param, ShardSpec(dim=0, parts=(4,)))
+    full = gather_full(param, param, ps.tp_group)  # device gather, then the host copy
+    outcomes = {"gathered": full.tolist(), "is_host_copy": isinstance(full, HostCopy)}
+    try:  # the order the checkpoint used before: to the host first, then the collective
+        dist.all_gather([torch.empty(2, 3) for _ in range(2)], to_host(param), group=ps.tp_group)
+    except RuntimeError as error:
+        outcomes["host_first"] = str(error)
+    try:
+        check_collective("all_reduce", (torch.empty(2, device="meta"),), {"group": ps.tp_group})
+    except RuntimeError as error:
+        outcomes["wrong_device"] = str(error)
+    flag = torch.ones(1)
+    dist.all_reduce(flag, group=ps.tp_group)  # a device tensor passes
+    outcomes["sum"] = flag.item()
+    parallel_state.destroy()
+    return outcomes
+
+
+def test_host_copies_are_refused_by_collectives_and_device_tensors_pass():
+    for outcome in run_ranks(_checks, 2, timeout=60):
+        assert outcome["gathered"] == [[0.0] * 3] * 2 + [[1.0] * 3] * 2 and outcome["is_host_copy"]
+        assert "host copy" in outcome["host_first"] and "no backend for device type cpu" in outcome["host_first"]
+        assert "meta tensor on a group that serves ['cpu', 'cuda']" in outcome["wrong_device"]
+        assert outcome["sum"] == 2.0
+
+
+_COLLECTIVES = "all_reduce|all_gather\\w*|reduce_scatter\\w*|broadcast|batch_isend_irecv|all_to_all\\w*"
+
+
+@pytest.mark.parametrize("rule, pattern, allowed", [
+    ("host copies go through parallel.strict.to_host", r"\.cpu\(\)|\.to\(\s*[\"']cpu[\"']",
+     {"parallel/strict.py"}),
+    ("collectives are looked up per call, so the strict checks see them",
+     rf"from torch\.distributed(\.distributed_c10d)? import [^\n]*\b({_COLLECTIVES})\b|=\s*dist\.({_COLLECTIVES})\b(?!\()",
+     set()),
+])
+def test_the_library_has_no_way_around_the_checks(rule, pattern, allowed):
+    offenders = []
+    for root, _, files in os.walk(PACKAGE):
+        for name in files:
+            path = os.path.join(root, name)
+            relative = os.path.relpath(path, PACKAGE)
+            if name.endswith(".py") and relative not in allowed:
+                with open(path, encoding="utf-8") as f:
+                    offenders += [f"{relative}: {m.group(0)}" for m in re.finditer(pattern, f.read())]
+    assert not offenders, f"{rule}: {offenders}"
