@@ -22,7 +22,7 @@ if REPO not in sys.path:  # a clean clone need not be pip-installed
 
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 BASE_CONFIG = os.path.join(REPO, "configs", "tiny", "gpt.yaml")
-NETEM = os.path.join(os.path.dirname(REPO), "shared", "netem", "throttled.sh")
+NETEM = os.path.join(REPO, "benchmarks", "throttled.sh")  # the throttled-loopback runner
 # Synthetic tokens (no corpus), no files beyond the run directory, no dropout (timings must not depend on masks).
 COMMON_OVERRIDES = ["data.mock=true", "tokenizer.type=NullTokenizer", "tokenizer.model=null",
                     "log.tensorboard=false", "checkpoint.dir=null", "checkpoint.save_at_end=false",
@@ -86,7 +86,7 @@ def launch(script: str, nproc: int, flags: list[str], rate: str | None = None, n
                    script, "--worker", *flags]
     if rate:
         if not os.path.exists(netem):
-            raise SystemExit(f"--netem {netem}: not found. Fix: pass the path of shared/netem/throttled.sh, "
+            raise SystemExit(f"--netem {netem}: not found. Fix: pass the path of benchmarks/throttled.sh, "
                              f"or --rates none to run on the raw loopback (no overlap can be seen there).")
         command = ["bash", netem, "--rate", rate, "--", *command]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1")
@@ -119,6 +119,35 @@ def close_trainer(trainer) -> None:
 
 
 # ----- output -------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def tp_communication_skipped(group):
+    """Every all-reduce and reduce-scatter on ``group`` does nothing (results become wrong): the "no
+    communication" bound that Domino is compared with. The library treats a None handle as complete."""
+    import torch.distributed as dist
+    names = [n for n in ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single") if hasattr(dist, n)]
+    originals = {name: getattr(dist, name) for name in names}
+
+    def skipping(name):
+        position = 2 if name == "all_reduce" else 3  # of ``group`` in the positional signature
+
+        def call(*args, **kwargs):
+            target = kwargs["group"] if "group" in kwargs else (args[position] if len(args) > position else None)
+            if target is not group:
+                return originals[name](*args, **kwargs)
+            if name != "all_reduce":  # the output of a skipped reduce-scatter: zeros, not garbage
+                (kwargs["output"] if "output" in kwargs else args[0]).zero_()
+            return None
+        return call
+
+    for name in names:
+        setattr(dist, name, skipping(name))
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(dist, name, function)
+
+
 def format_table(headers: list[str], rows: list[list]) -> str:
     """A right-aligned text table (first column left-aligned); floats are printed as given by the caller."""
     cells = [[str(c) for c in row] for row in [headers, *rows]]

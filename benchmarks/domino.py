@@ -1,7 +1,7 @@
 """End-to-end Domino benchmark: GPT training steps per tensor-parallel mode, on a throttled link.
 
 One command measures every layout at every link rate (each pair is one torchrun job run inside
-../shared/netem/throttled.sh, so communication waits on the "wire" instead of fighting compute
+benchmarks/throttled.sh, as root, so communication waits on the "wire" instead of fighting compute
 for the two CPU cores):
 
     python benchmarks/domino.py                                  # TP2 and TP2·PP2 at 1 gbit and 4 gbit
@@ -32,13 +32,14 @@ import time
 
 from common import (MODEL_FLAGS, add_model_args, run_harness,
                     NETEM, RESULTS, build_trainer, close_trainer, format_table,
-                    forward_flags, launch, load_benchmark_config, model_overrides, read_json, write_json)
+                    forward_flags, launch, load_benchmark_config, model_overrides, read_json, write_json,
+                    tp_communication_skipped)
 
 from megatron_domino.domino.plan import COMPARED_PLANS
 
 LAYOUTS = {"tp2": (2, 1), "tp2pp2": (2, 2)}  # (tp, pp); dp = 1
 MODES = {name: plan.overrides() for name, plan in COMPARED_PLANS.items()}
-MODES["nocomm"] = COMPARED_PLANS["sync"].overrides()  # timed under comm.tp_all_reduces_disabled()
+MODES["nocomm"] = COMPARED_PLANS["sync"].overrides()  # timed under common.tp_communication_skipped()
 
 
 def parse_args(argv=None):
@@ -73,10 +74,9 @@ def parse_args(argv=None):
 # ----- worker: one layout at one rate, under torchrun -----------------------------------------------
 def timed_step(trainer, mode: str) -> tuple[float, float]:
     import torch.distributed as dist
-    from megatron_domino.parallel import comm
     dist.barrier()
     start = time.perf_counter()
-    with comm.tp_all_reduces_disabled() if mode == "nocomm" else contextlib.nullcontext():
+    with tp_communication_skipped(trainer.state.tp_group) if mode == "nocomm" else contextlib.nullcontext():
         loss = trainer.train_step()["loss"].item()
     dist.barrier()
     return time.perf_counter() - start, loss
@@ -84,13 +84,13 @@ def timed_step(trainer, mode: str) -> tuple[float, float]:
 
 def traced_step(trainer, mode: str, path: str) -> list[dict]:
     import torch.distributed as dist
-    from megatron_domino.parallel import comm
     from spans import SpanRecorder, gather_trace, pipeline_ops, tagged_backward
-    recorder = SpanRecorder(dist.get_rank())
+    recorder = SpanRecorder(dist.get_rank(), trainer.chunks)
     with pipeline_ops(trainer, lambda inst, start, end: recorder.phase(inst.label(True), start, end)), \
             tagged_backward(trainer.chunks):
         dist.barrier()
-        with recorder.recording(), comm.tp_all_reduces_disabled() if mode == "nocomm" else contextlib.nullcontext():
+        with recorder.recording(), \
+                tp_communication_skipped(trainer.state.tp_group) if mode == "nocomm" else contextlib.nullcontext():
             trainer.train_step()
     return gather_trace(recorder, path)
 

@@ -3,8 +3,10 @@
 Run on a throttled loopback so communication waits on the wire instead of competing for the
 two CPU cores (on the raw loopback nothing can overlap):
 
-    ../shared/netem/throttled.sh --rate 1gbit -- \
+    benchmarks/throttled.sh --rate 1gbit -- \
         python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/domino_block.py
+
+(from the repository root, as root: see benchmarks/throttled.sh).
 
 Modes are measured in interleaved rounds (sync, row-intra, row-inter, column, 2d, nocomm, sync, ...)
 so that drift on a shared machine hits them alike. Printed per mode: median time, speed-up
@@ -24,10 +26,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_domino.config import ModelConfig
+from megatron_domino.domino.executor import run_order
+from megatron_domino.domino.order import forward_order
 from megatron_domino.domino.plan import COMPARED_PLANS
-from megatron_domino.domino.schedule import run_blocks
 from megatron_domino.models import TransformerBlock, initialize_weights
-from megatron_domino.parallel import comm
+from megatron_domino.tensor_parallel import TPContext
+
+from common import tp_communication_skipped
 
 MODES = {**COMPARED_PLANS, "nocomm": COMPARED_PLANS["sync"]}  # nocomm: sync with every TP all-reduce skipped
 
@@ -37,25 +42,26 @@ class BlockStack(torch.nn.Module):
 
     def __init__(self, cfg, group, plan):
         super().__init__()
-        self.plan = plan
-        self.layers = torch.nn.ModuleList(TransformerBlock(cfg, group, layer_number=i, grad_pieces=plan.grad_pieces)
-                                          for i in range(cfg.num_layers))
-
-    def named_global_parameters(self):
-        return self.named_parameters()
+        self.plan, self.group = plan, group
+        ctx = TPContext(group, grad_pieces=plan.grad_pieces)
+        self.layers = torch.nn.ModuleList(TransformerBlock(cfg, ctx, layer_number=i) for i in range(cfg.num_layers))
 
     def forward(self, x):
+        if not self.plan.enabled:
+            for block in self.layers:
+                x = block(x)
+            return x
         rows, columns = self.plan.split_for(x.shape[0])
-        chunks = list(x.tensor_split(rows, dim=0))
-        out = run_blocks(self.layers, chunks, [(None, None)] * rows, asynchronous=self.plan.enabled,
-                         column_pieces=columns, overlap=self.plan.overlap)
+        order = forward_order(len(self.layers), rows, self.plan.overlap)
+        out = run_order(order, self.layers, list(x.tensor_split(rows, dim=0)), [(None, None)] * rows,
+                        column_pieces=columns)
         return torch.cat(out, dim=0)
 
 
 def time_mode(stack, x, grad, mode: str, forward_only: bool = False) -> float:
     dist.barrier()
     start = time.perf_counter()
-    with comm.tp_all_reduces_disabled() if mode == "nocomm" else contextlib.nullcontext():
+    with tp_communication_skipped(stack.group) if mode == "nocomm" else contextlib.nullcontext():
         if forward_only:
             with torch.no_grad():
                 stack(x)

@@ -80,10 +80,10 @@ def measure(args, schedule: str, m: int) -> list[list[tuple]] | None:
 
 def analyse(everyone: list, schedule: str, m: int) -> dict:
     """Busy / idle per rank (medians over steps) and the three predictions."""
-    from megatron_domino.pipeline.schedules import build_schedule, virtual_stage
+    from megatron_domino.pipeline.schedules import build_schedule, schedule_kind, virtual_stage
     from megatron_domino.pipeline.simulate import Costs, simulate
     v = SCHEDULES[schedule]
-    kind = "interleaved" if v > 1 else "1f1b"
+    kind = schedule_kind(PP, v)
     steps = len(everyone[0])
     busy, idle, makespans = defaultdict(list), defaultdict(list), []
     durations = defaultdict(list)  # (op, virtual stage) -> seconds

@@ -61,11 +61,11 @@ def test_compute_spans_are_the_window_minus_blocked_time():
 
 def test_pipeline_analysis_of_a_simulated_timeline_reproduces_the_simulation():
     """Feed the simulator's own op times in as 'measured': busy, idle and every prediction must agree."""
-    from megatron_domino.pipeline.schedules import build_schedule
+    from megatron_domino.pipeline.schedules import build_schedule, schedule_kind
     from megatron_domino.pipeline.simulate import simulate
     for schedule, v in pipeline.SCHEDULES.items():
         m = 8
-        result = simulate(build_schedule("interleaved" if v > 1 else "1f1b", pipeline.PP, m, v), m, v)
+        result = simulate(build_schedule(schedule_kind(pipeline.PP, v), pipeline.PP, m, v), m, v)
         steps = [[(s.instruction.op, s.instruction.chunk, s.instruction.microbatch, s.start, s.end) for s in row]
                  for row in result.spans]
         analysis = pipeline.analyse([[ops] for ops in steps], schedule, m)

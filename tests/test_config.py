@@ -8,8 +8,8 @@ import os
 import pytest
 
 from megatron_domino.config import (
-    Config, ConfigError, ModelConfig, config_from_dict, config_to_dict, data_prefixes, load_config, save_config,
-    validate_config,
+    Config, ConfigError, DataBlend, ModelConfig, config_from_dict, config_to_dict, load_config, parse_data_path,
+    save_config, validate_config,
 )
 from megatron_domino.config.validate import ROW_SPLIT_WARNING
 
@@ -319,12 +319,31 @@ def test_paths_are_checked_only_when_asked(tmp_path):
     assert validate_config(cfg) == []
 
 
-def test_data_prefixes_forms():
-    assert data_prefixes(["a"]) == [(1.0, "a")]
-    assert data_prefixes(["a", "b"]) == [(1.0, "a"), (1.0, "b")]
-    assert data_prefixes(["0.3", "a", "0.7", "b"]) == [(0.3, "a"), (0.7, "b")]
-    with pytest.raises(ConfigError, match=r"data.path\[2\]"):
-        data_prefixes(["0.3", "a", "x", "b"])
+def test_data_path_forms_follow_megatron():
+    assert parse_data_path(["a"]) == DataBlend(("a",), None)
+    assert parse_data_path("a") == DataBlend(("a",), None)  # one prefix without brackets, as the loader allows
+    assert parse_data_path(["a", "b"]) == DataBlend(("a", "b"), None)  # unweighted: the builder weighs by size
+    assert parse_data_path(["0.3", "a", "0.7", "b"]) == DataBlend(("a", "b"), (0.3, 0.7))
+    assert parse_data_path([2, "a", 1, "b"]) == DataBlend(("a", "b"), (2.0, 1.0))  # numbers as YAML gives them
+    assert load_config(None, ["data.path=[0.3,a,0.7,b]"]).data.path == ["0.3", "a", "0.7", "b"]
+
+
+@pytest.mark.parametrize("path, keys, rule", [
+    ([], ["data.path"], "is empty"),
+    (["0.3", "a", "b"], ["data.path"], "odd count"),
+    (["0.3", "a", "x", "b"], ["data.path[2]"], "must be a positive number"),
+    (["0.3", "a", "-1", "b"], ["data.path[2]"], "must be a positive number"),
+    (["0", "a", "nan", "b", "inf", "c"], ["data.path[0]", "data.path[2]", "data.path[4]"], "positive number"),
+    (["0.3", "a", "0.7", "0.5"], ["data.path[3]"], "a number where a prefix belongs"),
+    (["a", "0.5", "b"], ["data.path[1]"], "a number in a list of prefixes without weights"),
+])
+def test_data_path_errors_name_the_entry(path, keys, rule):
+    with pytest.raises(ConfigError, match=rule) as err:
+        parse_data_path(path)
+    assert err.value.keys == keys and "Fix:" in str(err.value)
+    with pytest.raises(ConfigError) as err:  # validation reports the same, before any process starts
+        validate_config(Config(data=dataclasses.replace(Config().data, path=path)), check_paths=False)
+    assert err.value.keys == keys
 
 
 # ---------------------------------------------------------------- shipped configs

@@ -14,11 +14,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from megatron_domino.checkpoint_format import resolve_load_path
 from megatron_domino.config import ConfigError, load_config
 from megatron_domino.convert.convert import hf_to_native, native_to_hf, reshard
 from megatron_domino.convert.hf_config import model_config_from_hf
 from megatron_domino.models import LanguageModel
-from megatron_domino.training.checkpoint import load_checkpoint, resolve_load_path
+from megatron_domino.training.checkpoint import load_checkpoint
 
 transformers = pytest.importorskip("transformers")
 _CLI = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "convert_checkpoint.py")

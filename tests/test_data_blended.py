@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from megatron_domino.config import ConfigError
 from megatron_domino.config.schema import Config
 from megatron_domino.data import (
     BlendedDataset,
@@ -34,12 +35,15 @@ def test_weight_errors():
         BlendedDataset([list(range(2))], np.zeros(3, np.int16), np.arange(3))
 
 
-def make_prefix(path, low, high, seed):
-    """A dataset whose tokens all lie in [low, high), so a sample reveals which dataset it came from."""
+def make_prefix(path, low, high, seed, length=None):
+    """A dataset whose tokens all lie in [low, high), so a sample reveals which dataset it came from.
+
+    20 documents of ``length`` tokens each (default: random lengths below 30).
+    """
     rng = np.random.default_rng(seed)
     with IndexedDatasetBuilder(str(path), np.uint16) as builder:
         for _ in range(20):
-            builder.add_document(rng.integers(low, high, rng.integers(1, 30)))
+            builder.add_document(rng.integers(low, high, length or rng.integers(1, 30)))
         builder.finalize()
 
 
@@ -60,3 +64,30 @@ def test_blended_splits_from_config(tmp_path):
         assert from_b == bool(train.dataset_index[i] == 1) and (from_b or tokens.max() < 50)
     again, _, _ = build_train_valid_test_datasets(cfg, (10_000, 200, 0))
     assert all((again[i]["tokens"] == train[i]["tokens"]).all() for i in range(0, 10_000, 101))
+
+
+def test_unweighted_prefixes_mix_by_their_size(tmp_path):
+    """Megatron's rule for data.path=[A, B]: each prefix weighs the samples one pass over its split holds."""
+    make_prefix(tmp_path / "a", 0, 50, 0, length=10)  # 200 tokens: (200 - 1) // 8 = 24 samples
+    make_prefix(tmp_path / "b", 50, 100, 1, length=30)  # 600 tokens: (600 - 1) // 8 = 74 samples
+    cfg = Config()
+    cfg.model.seq_length, cfg.model.vocab_size = SEQ, 101
+    cfg.data.path = [str(tmp_path / "a"), str(tmp_path / "b")]
+    cfg.data.split, cfg.data.cache_dir = "1,0,0", str(tmp_path / "cache")
+    train, valid, _ = build_train_valid_test_datasets(cfg, (1_000, 0, 0))
+    assert valid is None and len(train) == 1_000
+    share_b = float(np.mean(np.asarray(train.dataset_index) == 1))
+    assert share_b == pytest.approx(74 / 98, abs=0.002)
+    for i in range(0, 1_000, 37):
+        assert bool(train[i]["tokens"].min() >= 50) == bool(train.dataset_index[i] == 1)
+
+
+def test_unweighted_prefixes_without_a_whole_sample_name_data_path(tmp_path):
+    make_prefix(tmp_path / "a", 0, 50, 0, length=1)
+    make_prefix(tmp_path / "b", 50, 100, 1, length=1)
+    cfg = Config()
+    cfg.model.seq_length, cfg.model.vocab_size = 64, 101
+    cfg.data.path = [str(tmp_path / "a"), str(tmp_path / "b")]
+    cfg.data.split, cfg.data.cache_dir = "1,0,0", str(tmp_path / "cache")
+    with pytest.raises(ConfigError, match=r"data.path = .*no prefix holds a whole sample.*Fix: "):
+        build_train_valid_test_datasets(cfg, (10, 0, 0))

@@ -177,10 +177,10 @@ def test_mock_dataset_is_deterministic_and_has_eods(tmp_path):
 
 
 def test_config_errors(tmp_path):
-    with pytest.raises(ValueError, match="data.path is empty"):
+    with pytest.raises(ValueError, match=r"data.path = None: is empty"):
         build_train_valid_test_datasets(config(tmp_path), (1, 0, 0))
-    with pytest.raises(ValueError, match="weight/prefix pairs"):
-        build_train_valid_test_datasets(config(tmp_path, path=["a", "b"]), (1, 0, 0))
+    with pytest.raises(ValueError, match=r"data.path\[2\] = 'x': must be a positive number"):
+        build_train_valid_test_datasets(config(tmp_path, path=["0.5", "a", "x", "b"]), (1, 0, 0))
     with pytest.raises(FileNotFoundError, match="preprocess_data.py"):
         build_train_valid_test_datasets(config(tmp_path, path=[str(tmp_path / "missing")]), (1, 0, 0))
     with pytest.raises(ValueError, match="train split no share"):

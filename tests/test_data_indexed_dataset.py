@@ -6,6 +6,7 @@ import struct
 import numpy as np
 import pytest
 
+from megatron_domino.config.errors import DataError
 from megatron_domino.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, token_dtype
 
 DOCS = [[5, 6, 7], [1], [9, 9, 9, 9, 9], [2, 3]]
@@ -111,6 +112,17 @@ def test_truncated_and_corrupt_files_give_clear_errors(tmp_path):
     os.remove(tmp_path / "d.bin")
     with pytest.raises(FileNotFoundError, match="d.bin not found"):
         IndexedDataset(str(tmp_path / "d"))
+
+
+def test_a_bin_paired_with_another_index_is_refused_naming_both_files(tmp_path):
+    build(tmp_path / "a", DOCS, np.uint16)
+    build(tmp_path / "b", DOCS + [[4, 4, 4]], np.uint16)
+    os.replace(tmp_path / "b.bin", tmp_path / "a.bin")  # a.idx now describes 3 tokens fewer than a.bin holds
+    with pytest.raises(DataError) as error:  # a known error: reported as a short block, no traceback
+        IndexedDataset(str(tmp_path / "a"))
+    message = str(error.value)
+    assert f"{tmp_path / 'a.bin'} is 28 bytes but {tmp_path / 'a.idx'} describes 22" in message
+    assert "do not belong together" in message and "Fix:" in message
 
 
 def test_token_dtype_follows_megatron():

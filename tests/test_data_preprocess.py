@@ -38,7 +38,7 @@ def write_corpus(path, n_docs=300, seed=0):
             bad[len(lines) + 1] = "tokenizer failed"
             lines.append(b'{"text": "5 abc"}')
             lines.append(b"   ")  # blank: skipped, not bad
-            lines.append(b'{"text": ""}')  # empty document: skipped, not bad
+            lines.append(b'{"text": ""}')  # empty document: kept, with no sequence (as Megatron-LM writes it)
     path.write_bytes(b"\n".join(lines) + b"\n")
     return good, bad
 
@@ -59,14 +59,15 @@ def test_end_to_end_with_bad_lines(tmp_path, workers):
     good, bad = write_corpus(tmp_path / "corpus.jsonl")
     stats = preprocess(options(tmp_path, workers=workers))
     prefix = str(tmp_path / "out" / "corpus_text_document")
-    assert read(prefix) == [ids + [VOCAB - 1] for ids in good]
-    assert IndexedDataset(prefix).num_documents == len(good)
-    assert stats.documents == len(good) and stats.tokens == sum(len(d) + 1 for d in good)
+    assert read(prefix) == [ids + [VOCAB - 1] for ids in good]  # the sequences: no EOD alone for an empty one
+    empty = 3
+    assert IndexedDataset(prefix).num_documents == len(good) + empty
+    assert stats.documents == len(good) + empty and stats.tokens == sum(len(d) + 1 for d in good)
     assert stats.bad_count == len(bad)
     assert [n for n, _ in stats.bad_lines] == sorted(bad)
     for line_no, reason in stats.bad_lines:
         assert bad[line_no] in reason
-    assert stats.blank_lines == 3 and stats.empty_documents == 3
+    assert stats.blank_lines == 3 and stats.empty_documents == empty
     assert sorted(os.listdir(tmp_path / "out")) == ["corpus_text_document.bin", "corpus_text_document.idx"]
 
 
@@ -103,14 +104,47 @@ def test_partitions_resume_after_an_interruption(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path / "out")) == ["corpus_text_document.bin", "corpus_text_document.idx"]
 
 
-def test_cli_reports_bad_lines_with_numbers(tmp_path, capsys):
-    (tmp_path / "c.jsonl").write_text('{"text": "1 2"}\nnot json\n{"text": "3"}\n{"txt": "4"}\n')
+def tool():
     spec = importlib.util.spec_from_file_location("preprocess_cli", os.path.join(REPO, "tools", "preprocess_data.py"))
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
-    rc = cli.main(["--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "o"),
-                   "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--append-eod", "--workers", "1"])
+    return cli
+
+
+def test_cli_reports_bad_lines_with_numbers(tmp_path, capsys):
+    (tmp_path / "c.jsonl").write_text('{"text": "1 2"}\nnot json\n{"text": "3"}\n{"txt": "4"}\n')
+    rc = tool().main(["--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "o"),
+                      "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--append-eod", "--workers", "1"])
     err = capsys.readouterr().err
     assert rc == 0 and "line 2: invalid JSON" in err and "line 4: missing key 'text'" in err
     assert read(str(tmp_path / "o_text_document")) == [[1, 2, 9], [3, 9]]
     assert "line 2:" in (tmp_path / "o_bad_lines.txt").read_text()
+
+
+@pytest.mark.parametrize("text, reason", [("", "0 lines"), ('not json\n{"body": "1"}\n', "2 lines: 2 bad")])
+def test_cli_fails_when_no_token_was_written(tmp_path, capsys, text, reason):
+    (tmp_path / "c.jsonl").write_text(text)
+    rc = tool().main(["--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "o"),
+                      "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"gave no tokens ({reason}" in err and "dataset written is empty" in err, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--output-prefix", "o"], "the following arguments are required: --input"),
+    (["--input", "missing.jsonl", "--output-prefix", "o"], "--input missing.jsonl: no such file"),
+    (["--input", "c.jsonl", "--output-prefix", "o", "--workers", "0"], "argument --workers: must be 1 or more"),
+])
+def test_cli_reports_bad_arguments_through_argparse(tmp_path, monkeypatch, capsys, args, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.jsonl").write_text('{"text": "1"}\n')
+    with pytest.raises(SystemExit) as exit_:
+        tool().main([*args, "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_names_a_missing_tokenizer_flag(tmp_path, capsys):
+    (tmp_path / "c.jsonl").write_text('{"text": "1"}\n')
+    with pytest.raises(SystemExit) as exit_:
+        tool().main(["--input", str(tmp_path / "c.jsonl"), "--output-prefix", "o", "--tokenizer-type", "NullTokenizer"])
+    assert exit_.value.code == 2 and "--vocab-size" in capsys.readouterr().err

@@ -6,12 +6,12 @@ import torch.distributed as dist
 
 from megatron_domino.config import Config, ModelConfig
 from megatron_domino.models import LanguageModel, initialize_weights
+from megatron_domino.models.full_state import gather_full
 from megatron_domino.parallel import Topology, state as parallel_state
 from megatron_domino.pipeline.engine import PipelineEngine
-from megatron_domino.pipeline.stages import (allreduce_sequence_parallel_grads, allreduce_tied_embedding_grads,
-                                             build_stage_chunks)
+from megatron_domino.pipeline.finalize_grads import finalize_grads
+from megatron_domino.pipeline.stages import build_stage_chunks
 from megatron_domino.pipeline.strict_transport import StrictP2P
-from megatron_domino.tensor_parallel.sharding import get_shard_spec, unshard
 from tests.harness import run_ranks
 
 TOL = 1e-5
@@ -66,20 +66,12 @@ def _run_layout(rank, world_size, cfg):
     assert isinstance(engine.executor.p2p, StrictP2P)  # NCCL's rules (tests/conftest.py)
     eval_loss = engine.evaluate(micro)  # the forward-only schedule, transfers grouped the same way
     loss = engine.forward_backward(micro)
-    grad_of = lambda p: p.grad  # noqa: E731
-    for chunk in chunks:
-        for p in chunk.parameters():
-            dist.all_reduce(p.grad, group=ps.dp_group)
-    allreduce_tied_embedding_grads(chunks, ps, grad_of)
-    allreduce_sequence_parallel_grads(chunks, ps, grad_of)
+    finalize_grads(chunks, ps)
     grads = {}
     for chunk in chunks:
+        table = chunk.sharding()
         for name, p in chunk.named_global_parameters():
-            pieces = [torch.empty_like(p.grad) for _ in range(ps.tp_size)]
-            dist.all_gather(pieces, p.grad.contiguous(), group=ps.tp_group)
-            full = unshard(pieces, get_shard_spec(p))
-            rows_ = getattr(p, "vocab_rows", None)
-            grads[name] = full[:rows_] if rows_ is not None else full
+            grads[name] = gather_full(p.grad, table[name], ps.tp_group)
     parallel_state.destroy()
     return loss, eval_loss, grads
 

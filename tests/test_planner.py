@@ -20,6 +20,7 @@ from megatron_domino.config import load_config, validate_config
 from megatron_domino.domino.plan import DominoPlan
 from megatron_domino.models import LanguageModel
 from megatron_domino.parallel import comm
+from megatron_domino.tensor_parallel import TPContext
 from megatron_domino.parallel.random import seed_streams
 from megatron_domino.pipeline.schedules import build_schedule, virtual_stage
 from megatron_domino.pipeline.simulate import Costs, simulate
@@ -47,7 +48,7 @@ def _batch(cfg):
 def _build(cfg, group=None, **kwargs):
     dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
     torch.manual_seed(0)
-    model = LanguageModel(cfg.model, group, sequence_parallel=cfg.parallel.sequence_parallel, dtype=dtype, **kwargs)
+    model = LanguageModel(cfg.model, TPContext(group, cfg.parallel.sequence_parallel, dtype=dtype), **kwargs)
     for param in model.parameters():
         param.data.normal_(0.0, 0.02)
     return model.train()
@@ -73,19 +74,25 @@ def _saved_bytes(model, batch) -> int:
 def fake_tp(monkeypatch):
     """A TP group of any size inside one process: its size and rank are faked and every TP collective is
     skipped, so a rank's tensors get their real shapes (their values are meaningless)."""
-    group, size = object(), {}
+    fake, size = object(), {}
     real_size, real_rank = dist.get_world_size, dist.get_rank
-    monkeypatch.setattr(dist, "get_world_size", lambda g=None: size["tp"] if g is group else real_size(g))
-    monkeypatch.setattr(dist, "get_rank", lambda g=None: 0 if g is group else real_rank(g))
-    monkeypatch.setattr(comm, "all_gather_flat", lambda out, inp, group=None: out.zero_())
-    monkeypatch.setattr(comm, "reduce_scatter_flat", lambda out, inp, group=None: out.zero_())
+    monkeypatch.setattr(dist, "get_world_size", lambda g=None: size["tp"] if g is fake else real_size(g))
+    monkeypatch.setattr(dist, "get_rank", lambda g=None: 0 if g is fake else real_rank(g))
+    def skipped(out, inp, group=None, async_op=False):  # returns no handle: done at once
+        out.zero_()
+
+    monkeypatch.setattr(comm, "all_gather_flat", skipped)
+    monkeypatch.setattr(comm, "reduce_scatter_flat", skipped)
+
+    real_all_reduce = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce",
+                        lambda t, *a, group=None, **k: None if group is fake else real_all_reduce(t, *a, group=group, **k))
 
     def make(tp):
         size["tp"] = tp
-        return group
+        return fake
 
-    with comm.tp_all_reduces_disabled():
-        yield make
+    yield make
 
 
 # ----- activations: estimate vs what autograd saves ------------------------------------------------------
@@ -130,7 +137,7 @@ def test_rank_parameters_match_built_stages(fake_tp, path, tp, pp, v):
         held = 0
         for chunk in range(v):
             stage = virtual_stage(rank, chunk, pp)
-            model = LanguageModel(cfg.model, group, layer_ids=partition[stage], pre_process=stage == 0,
+            model = LanguageModel(cfg.model, TPContext(group), layer_ids=partition[stage], pre_process=stage == 0,
                                   post_process=stage == stages - 1)
             held += sum(p.numel() for p in model.parameters())
         assert estimate == held

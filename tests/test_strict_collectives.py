@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megatron_domino.models.full_state import gather_full
 from megatron_domino.parallel import Topology, state as parallel_state
 from megatron_domino.parallel.strict import HostCopy, check_collective, to_host
-from megatron_domino.tensor_parallel.sharding import ShardSpec, set_shard_spec
+from megatron_domino.tensor_parallel.sharding import ParamInfo, ShardSpec
 from tests.harness import run_ranks
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_domino")
@@ -21,8 +21,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _checks(rank, world_size):
     ps = parallel_state.initialize(Topology(world_size, 2, 1, 1), print_rank_map=False)  # installs the checks
     param = torch.nn.Parameter(torch.full((2, 3), float(rank)))
-    set_shard_spec(param, ShardSpec(dim=0, parts=(4,)))
-    full = gather_full(param, param, ps.tp_group)  # device gather, then the host copy
+    full = gather_full(param, ParamInfo(ShardSpec(dim=0, parts=(4,))), ps.tp_group)  # device gather, then host
     outcomes = {"gathered": full.tolist(), "is_host_copy": isinstance(full, HostCopy)}
     try:  # the order the checkpoint used before: to the host first, then the collective
         dist.all_gather([torch.empty(2, 3) for _ in range(2)], to_host(param), group=ps.tp_group)

@@ -9,14 +9,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_domino.config import ModelConfig
-from megatron_domino.domino.async_comm import LinearWithAsyncInputGradient, PendingInputGradient, \
+from megatron_domino.tensor_parallel.async_comm import LinearWithAsyncInputGradient, PendingInputGradient, \
     WaitForInputGradient
 from megatron_domino.domino.plan import COMPARED_PLANS
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.optim.grad_norm import model_grad_norm
 from megatron_domino.parallel import comm
-from megatron_domino.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                             get_shard_spec, shard, vocab_parallel_cross_entropy)
+from megatron_domino.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding,
+                                             shard, sharding_table, vocab_parallel_cross_entropy)
+from megatron_domino.tensor_parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from tests.harness import run_ranks
 
 TOL = 1e-5
@@ -28,12 +29,17 @@ def assert_rel(actual, expected, what, tol=TOL):
     assert err <= tol, f"{what}: max relative error {err:.2e} > {tol:.0e}"
 
 
-def _shard_of(full, param, rank, tp):
-    """This rank's slice of a reference tensor; vocabulary padding (which depends on tp) is re-applied."""
-    rows = getattr(param, "vocab_rows", None)
-    if rows is not None:
-        full = F.pad(full[:rows], (0, 0, 0, get_shard_spec(param).full_size - rows))
-    return shard(full, get_shard_spec(param), rank, tp)
+def _info(module, name):
+    """The module's sharding-table row for its parameter ``name``."""
+    return sharding_table(module)[name]
+
+
+def _shard_of(full, info, rank, tp):
+    """This rank's slice of a reference tensor (``info``: its sharding-table row); vocabulary padding (which
+    depends on tp) is re-applied."""
+    if info.vocab_rows is not None:
+        full = F.pad(full[:info.vocab_rows], (0, 0, 0, info.spec.full_size - info.vocab_rows))
+    return shard(full, info.spec, rank, tp)
 
 
 def check_linear_layers(rank, tp, group, sequence_parallel):
@@ -42,11 +48,11 @@ def check_linear_layers(rank, tp, group, sequence_parallel):
     x_full = torch.randn(b, s, h)
     grad_seed = torch.randn(b, s, out)
     # Column-parallel, output gathered; reference = dense F.linear with the full weight.
-    col = ColumnParallelLinear(h, out, group, gather_output=True, sequence_parallel=sequence_parallel)
+    col = ColumnParallelLinear(h, out, TPContext(group, sequence_parallel), gather_output=True)
     w_full, b_full = torch.randn(out, h, requires_grad=True), torch.randn(out, requires_grad=True)
     with torch.no_grad():
-        col.weight.copy_(_shard_of(w_full, col.weight, rank, tp))
-        col.bias.copy_(_shard_of(b_full, col.bias, rank, tp))
+        col.weight.copy_(_shard_of(w_full, _info(col, "weight"), rank, tp))
+        col.bias.copy_(_shard_of(b_full, _info(col, "bias"), rank, tp))
     x = x_full.clone().requires_grad_()
     x_in = comm.scatter_to_sp(x, group) if sequence_parallel else x
     y = col(x_in)
@@ -56,13 +62,13 @@ def check_linear_layers(rank, tp, group, sequence_parallel):
     (y * grad_seed).sum().backward()
     (ref * grad_seed).sum().backward()
     assert_rel(x.grad, ref_x.grad, "column input grad")
-    assert_rel(col.weight.grad, _shard_of(w_full.grad, col.weight, rank, tp), "column weight grad")
-    assert_rel(col.bias.grad, _shard_of(b_full.grad, col.bias, rank, tp), "column bias grad")
+    assert_rel(col.weight.grad, _shard_of(w_full.grad, _info(col, "weight"), rank, tp), "column weight grad")
+    assert_rel(col.bias.grad, _shard_of(b_full.grad, _info(col, "bias"), rank, tp), "column bias grad")
     # Row-parallel with the input already split along features.
-    row = RowParallelLinear(out, h, group, sequence_parallel=sequence_parallel)
+    row = RowParallelLinear(out, h, TPContext(group, sequence_parallel))
     w2, b2 = torch.randn(h, out, requires_grad=True), torch.randn(h, requires_grad=True)
     with torch.no_grad():
-        row.weight.copy_(_shard_of(w2, row.weight, rank, tp))
+        row.weight.copy_(_shard_of(w2, _info(row, "weight"), rank, tp))
         row.bias.copy_(b2)
     z_full = torch.randn(b, s, out)
     z = z_full.chunk(tp, dim=-1)[rank].clone().requires_grad_()
@@ -76,7 +82,7 @@ def check_linear_layers(rank, tp, group, sequence_parallel):
     (y * (g.chunk(tp, dim=1)[rank] if sequence_parallel else g)).sum().backward()
     (ref * g).sum().backward()
     assert_rel(z.grad, ref_z.grad.chunk(tp, dim=-1)[rank], "row input grad")
-    assert_rel(row.weight.grad, _shard_of(w2.grad, row.weight, rank, tp), "row weight grad")
+    assert_rel(row.weight.grad, _shard_of(w2.grad, _info(row, "weight"), rank, tp), "row weight grad")
     if sequence_parallel:  # each rank saw part of the sequence: the bias grad is a partial sum over TP
         dist.all_reduce(row.bias.grad, group=group)
     assert_rel(row.bias.grad, b2.grad, "row bias grad")
@@ -85,12 +91,12 @@ def check_linear_layers(rank, tp, group, sequence_parallel):
 def check_embedding_and_cross_entropy(rank, tp, group):
     torch.manual_seed(2)
     vocab, padded, h = 1001, 1008, 16  # 1001 is not divisible by tp; 7 padded rows
-    emb = VocabParallelEmbedding(vocab, padded, h, group)
+    emb = VocabParallelEmbedding(vocab, padded, h, TPContext(group))
     full = torch.randn(padded, h)
     full[vocab:] = 0
     full.requires_grad_()
     with torch.no_grad():
-        emb.weight.copy_(_shard_of(full, emb.weight, rank, tp))
+        emb.weight.copy_(_shard_of(full, _info(emb, "weight"), rank, tp))
     tokens = torch.randint(0, vocab, (2, 8))
     out = emb(tokens)
     ref = F.embedding(tokens, full)
@@ -98,7 +104,7 @@ def check_embedding_and_cross_entropy(rank, tp, group):
     g = torch.randn_like(ref)
     (out * g).sum().backward()
     (ref * g).sum().backward()
-    assert_rel(emb.weight.grad, _shard_of(full.grad, emb.weight, rank, tp), "embedding grad")
+    assert_rel(emb.weight.grad, _shard_of(full.grad, _info(emb, "weight"), rank, tp), "embedding grad")
     # Cross entropy: padded logits hold garbage on purpose; they must not change the loss.
     logits_full = torch.randn(2, 8, padded) * 3
     logits_full[..., vocab:] = 50.0
@@ -122,7 +128,7 @@ def check_residual_hazard(rank, tp, group):
     w_full = torch.randn(32, 16)
     w = w_full.chunk(tp, dim=0)[rank].clone().requires_grad_()
     x = x_full.clone().requires_grad_()
-    col = ColumnParallelLinear(16, 32, group, bias=False, grad_pieces=1)
+    col = ColumnParallelLinear(16, 32, TPContext(group, grad_pieces=1), bias=False)
     with torch.no_grad():
         col.weight.copy_(w)
     y = x + comm.gather_from_tp(col(x), group)[..., :16]  # x feeds the residual and the linear
@@ -166,9 +172,8 @@ def _train_steps(model, batches, steps=3, group=None):
         batch = batches[step]
         loss = model(None, batch).mean()
         loss.backward()
-        for param in model.parameters():  # under SP these saw only this rank's slice of the sequence
-            if getattr(param, "sequence_parallel", False) and group is not None:
-                dist.all_reduce(param.grad, group=group)
+        # under SP these saw only this rank's slice of the sequence
+        allreduce_sequence_parallel_grads([model], group, lambda param: param.grad)
         history.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_global_parameters()},
                         {n: p.detach().clone() for n, p in model.named_global_parameters()}))
         opt.step()
@@ -187,9 +192,9 @@ def check_domino_stack(rank, tp, group):
             reference = _train_steps(dense, batches)
             for (name, plan), sequence_parallel in [(p, False) for p in PLANS.items()] + [
                     (p, True) for p in PLANS.items() if p[0] in ("sync", "row-inter", "2d")]:
-                model = LanguageModel(cfg, group, plan=plan, sequence_parallel=sequence_parallel)
+                model = LanguageModel(cfg, TPContext(group, sequence_parallel), plan=plan)
                 initialize_weights(model, seed=7, tp_rank=rank, tp=tp)
-                params = dict(model.named_global_parameters())
+                params = model.sharding()
                 for step, ((loss, grads, values), (ref_loss, ref_grads, ref_values)) in enumerate(
                         zip(_train_steps(model, batches, group=group), reference)):
                     what = f"{cfg.activation} {name} SP {sequence_parallel} micro batch {micro_batch} step {step}"
@@ -199,8 +204,8 @@ def check_domino_stack(rank, tp, group):
                         assert_rel(grad, expected, f"{what} grad {pname}")
                         assert_rel(values[pname], _shard_of(ref_values[pname], params[pname], rank, tp),
                                    f"{what} param {pname}")
-                norm = model_grad_norm(model.parameters(), rank, [group])
-                ref_norm = model_grad_norm(dense.parameters(), 0, [])
+                norm = model_grad_norm(model, rank, [group])
+                ref_norm = model_grad_norm(dense, 0, [])
                 assert abs(norm - ref_norm) <= TOL * ref_norm, (name, norm, ref_norm)
 
 

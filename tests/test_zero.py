@@ -21,6 +21,8 @@ from megatron_domino.config.schema import OptimizerConfig
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.optim.distributed_optimizer import DistributedOptimizer
 from megatron_domino.optim.grad_buffer import ALIGN, plan_buckets
+from megatron_domino.tensor_parallel import TPContext
+from megatron_domino.tensor_parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from tests.harness import run_ranks
 from tests.test_tensor_parallel import _shard_of
 
@@ -48,7 +50,7 @@ def batches(steps: int, seed: int = 0) -> list:
 
 
 def new_model(tp_group=None, tp_rank=0, tp=1, dtype=torch.float32, seed=SEED, sequence_parallel=False):
-    model = LanguageModel(CFG, tp_group, sequence_parallel=sequence_parallel, dtype=dtype)
+    model = LanguageModel(CFG, TPContext(tp_group, sequence_parallel, dtype=dtype))
     initialize_weights(model, seed, tp_rank, tp)
     return model
 
@@ -211,15 +213,15 @@ def check_tensor_and_data_parallel(rank, data, ref_adamw):
                                     tp_rank=tp_rank, norm_groups=[tp_group])
         for step, (tokens, labels) in enumerate(data):
             backward_step(model, dopt, tokens, labels, dp_rank, 2)
-            for param in model.parameters():  # the trainer's sequence-parallel reduction, on the reduced shard
-                if getattr(param, "sequence_parallel", False):
-                    dist.all_reduce(dopt.reduced_grad(param), group=tp_group)
+            # the trainer's sequence-parallel reduction, on the reduced shard
+            allreduce_sequence_parallel_grads([model], tp_group, dopt.reduced_grad)
             norm = dopt.step(LR)[1]
             assert abs(norm - ref_norms[step]) <= 1e-5 * ref_norms[step], (stage, step, norm, ref_norms[step])
+        infos = model.sharding()
         for name, param in model.named_global_parameters():
-            expected = _shard_of(ref_params[name], param, tp_rank, 2)
+            expected = _shard_of(ref_params[name], infos[name], tp_rank, 2)
             assert_rel(param.detach(), expected, f"tp2 dp2 zero={stage} {name}", 1e-5)
-            if getattr(param, "shard_spec", None) is None:
+            if infos[name].spec is None:
                 copies = [torch.empty_like(param) for _ in range(2)]
                 dist.all_gather(copies, param.detach(), group=tp_group)
                 assert torch.equal(copies[0], copies[1]), f"{name} differs across TP ranks"

@@ -49,6 +49,14 @@ def resolve_model(text: str) -> str:
                       f"give a path, or one of {', '.join(names)}")
 
 
+def _count(text: str, least: int = 1) -> int:
+    """An integer size, refused by argparse below ``least`` (a cluster of 0 nodes has no layout to rank)."""
+    value = int(text)
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be {least} or more, got {value}")
+    return value
+
+
 def _list(kind):
     return lambda text: [kind(item) for item in text.split(",")]
 
@@ -58,11 +66,11 @@ def parse_args(argv):
                                 epilog="size names: " + ", ".join(model_names()))
     p.add_argument("--model", required=True, help="config file or size name")
     p.add_argument("--gpu", default="h100-80gb", help=f"one of {', '.join(GPUS)}")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--seq-length", type=int, help="default: the config's model.seq_length")
-    p.add_argument("--global-batch", type=int, help="default: the config's train.global_batch_size")
-    p.add_argument("--top", type=int, default=10, help="rows to print")
+    p.add_argument("--nodes", type=_count, default=1)
+    p.add_argument("--gpus-per-node", type=_count, default=8)
+    p.add_argument("--seq-length", type=_count, help="default: the config's model.seq_length")
+    p.add_argument("--global-batch", type=_count, help="default: the config's train.global_batch_size")
+    p.add_argument("--top", type=_count, default=10, help="rows to print")
     p.add_argument("--emit", action="store_true", help="print the best layout as config overrides and exit")
     p.add_argument("--efficiency", type=float, default=TimingAssumptions.efficiency,
                    help="achieved share of peak FLOP/s")
@@ -71,12 +79,12 @@ def parse_args(argv):
     p.add_argument("--domino-column-hidden", type=float, default=TimingAssumptions.domino_column_hidden,
                    help="share the column split hides (what micro batch 1 runs)")
     p.add_argument("--overhead-gib", type=float, help="fixed per-GPU overhead (default: the GPU's entry)")
-    p.add_argument("--tp", type=_list(int), help="only these tp sizes (comma-separated)")
-    p.add_argument("--pp", type=_list(int), help="only these pp sizes")
-    p.add_argument("--vpp", type=_list(int), help="only these virtual pp sizes")
-    p.add_argument("--mbs", type=_list(int), help="only these micro batch sizes")
+    p.add_argument("--tp", type=_list(_count), help="only these tp sizes (comma-separated)")
+    p.add_argument("--pp", type=_list(_count), help="only these pp sizes")
+    p.add_argument("--vpp", type=_list(_count), help="only these virtual pp sizes")
+    p.add_argument("--mbs", type=_list(_count), help="only these micro batch sizes")
     p.add_argument("--recompute", type=_list(str), help="only these: none,selective,full")
-    p.add_argument("--zero", type=_list(int), help="only these ZeRO stages")
+    p.add_argument("--zero", type=_list(lambda text: _count(text, least=0)), help="only these ZeRO stages")
     p.add_argument("--tp-comm", type=_list(str), help="only these: domino,sp")
     p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     return p.parse_args(argv)

@@ -1,4 +1,5 @@
 """Run configuration: schema, YAML loading with includes and overrides, validation."""
+from .data_path import DataBlend, parse_data_path
 from .errors import ConfigError, Problem
 from .loader import config_from_dict, config_to_dict, load_config, save_config
 from .schema import (
@@ -12,4 +13,4 @@ from .schema import (
     TokenizerConfig,
     TrainConfig,
 )
-from .validate import data_prefixes, validate_config
+from .validate import validate_config

@@ -1,6 +1,10 @@
-"""The one error type for bad settings, shared by the loader, the validator and the rest of the package.
+"""The errors a user can fix: bad settings, bad data files, bad checkpoints.
 
-Every problem is written "<key> = <value>: <rule>. Fix: <fix>" so that a person can find the setting,
+They share ``KnownError``, whose message already says what is wrong, where (key, file, rank) and the fix:
+the entry points print such an error as a short block and keep its traceback in a log file, while any
+other exception is a bug and keeps its traceback on the console (``training/cli.py``).
+
+A config problem is written "<key> = <value>: <rule>. Fix: <fix>" so that a person can find the setting,
 see why it is wrong and what to type instead. Several problems found together travel in one error,
 one line each, so a user fixes a config in one round instead of one rerun per mistake.
 """
@@ -23,7 +27,20 @@ class Problem:
         return f"{self.key} = {self.value!r}: {self.rule}. Fix: {self.fix}"
 
 
-class ConfigError(ValueError):
+class KnownError(Exception):
+    """A failure the user can fix from its message alone; the traceback would only bury it."""
+
+
+class DataError(KnownError, ValueError):
+    """A dataset that cannot be trained on: damaged or mismatched files, token ids beyond the vocabulary,
+    an empty split. The message names the file."""
+
+
+class CheckpointError(KnownError, ValueError):
+    """A checkpoint that cannot be loaded or saved as asked. The message names the folder or file."""
+
+
+class ConfigError(KnownError, ValueError):
     """Invalid configuration. ``problems`` lists every offending setting; the message has one line per problem."""
 
     def __init__(self, key: str, value: Any, rule: str, fix: str):

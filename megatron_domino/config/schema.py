@@ -1,13 +1,20 @@
 """The typed configuration schema: one dataclass per section of the YAML file.
 
-Every setting a run can take lives here, with its default. Loading, merging and
-validation live beside it (``loader.py``, ``validate.py``); nothing else in the
-package invents settings of its own.
+Every setting a run can take lives here, with its default, and so does every list of allowed
+values (``ACTIVATIONS``, ``DOMINO_SPLITS``, ...): validation and the code that acts on a setting
+import the same tuple, so a new value is added in one place. Loading, merging and validation live
+beside it (``loader.py``, ``validate.py``); nothing else in the package invents settings of its own.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
+
+POSITION_EMBEDDINGS = ("learned", "rope")
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+RECOMPUTE = ("none", "selective", "full")  # least to most recomputation
+ATTENTION_BACKENDS = ("auto", "flash", "efficient", "math")
 
 
 @dataclass
@@ -24,22 +31,22 @@ class ModelConfig:
     max_position_embeddings: Optional[int] = None  # None: seq_length
     vocab_size: int = 1024  # the tokenizer's vocabulary; padded for TP, padding never changes the loss
     make_vocab_size_divisible_by: int = 128
-    position_embedding: str = "learned"  # learned | rope
+    position_embedding: str = "learned"  # POSITION_EMBEDDINGS
     rope_base: float = 10000.0
     rope_scaling_factor: Optional[float] = None  # Llama-3 frequency scaling; None: off
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
-    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm: str = "layernorm"  # NORMS
     norm_eps: float = 1e-5
-    activation: str = "gelu"  # gelu | swiglu
+    activation: str = "gelu"  # ACTIVATIONS
     bias: bool = True
     tie_embeddings: bool = True
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     init_std: float = 0.02
-    recompute: str = "none"  # none | full | selective
-    attention_backend: str = "auto"  # auto | flash | efficient | math: SDPA kernel; pinned ones raise if unusable
+    recompute: str = "none"  # RECOMPUTE
+    attention_backend: str = "auto"  # ATTENTION_BACKENDS: SDPA kernel; pinned ones raise if unusable
 
     @property
     def ffn_size(self) -> int:
@@ -67,6 +74,13 @@ class ModelConfig:
         return multiple * -(-self.vocab_size // multiple)
 
 
+AXES = ("tp", "dp", "pp")  # parallel.order is these joined by '-', innermost first
+DOMINO_SPLITS = ("row", "column", "2d")
+DOMINO_OVERLAPS = ("intra", "inter")
+PIPELINE_PARTITIONS = ("uniform", "parameters")
+BACKENDS = ("auto", "nccl", "gloo")
+
+
 @dataclass
 class ParallelConfig:
     """How the world is cut: TP x PP x DP, rank order, Domino and the pipeline layout."""
@@ -75,16 +89,16 @@ class ParallelConfig:
     pp: int = 1
     dp: Optional[int] = None  # None: world_size // (tp * pp)
     virtual_pp: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
-    order: str = "tp-dp-pp"  # innermost axis first
+    order: str = "tp-dp-pp"  # a permutation of AXES, innermost axis first
     sequence_parallel: bool = False
     domino: bool = False
     domino_chunks: int = 2  # micro-batch split into this many mu-chunks (row split)
-    domino_split: str = "row"  # row | column | 2d
-    domino_overlap: str = "inter"  # intra | inter
-    pipeline_partition: str = "uniform"  # uniform | parameters
+    domino_split: str = "row"  # DOMINO_SPLITS
+    domino_overlap: str = "inter"  # DOMINO_OVERLAPS
+    pipeline_partition: str = "uniform"  # PIPELINE_PARTITIONS
     pipeline_layout: Optional[list] = None  # explicit layers per stage, e.g. [3, 5]
     variable_seq_lengths: bool = False
-    backend: str = "auto"  # auto | nccl | gloo
+    backend: str = "auto"  # BACKENDS
     timeout_s: float = 600.0  # watchdog: seconds without progress before a rank reports the hang and exits
     # process groups' (NCCL/gloo) timeout; None: 2 * timeout_s. Must be >= 2 * timeout_s so the watchdog's
     # report (naming the silent peer) comes before NCCL's abort
@@ -108,12 +122,24 @@ class TrainConfig:
     eval_iters: int = 2
     exit_interval: int = 0  # save and exit cleanly once the step count is a multiple of this (0: off)
 
+    def num_microbatches(self, dp: int) -> int:
+        """Micro-batches each DP rank runs per step: global / (micro * dp), the one formula every module uses.
+
+        Validation rejects a global batch that is not a multiple of micro * dp, so in a run the division is exact.
+        """
+        return self.global_batch_size // (self.micro_batch_size * dp)
+
+
+OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
+ZERO_STAGES = (0, 1, 2)
+
 
 @dataclass
 class OptimizerConfig:
     """Optimizer, ZeRO stage, clipping, loss scaling and the LR schedule."""
 
-    name: str = "adamw"  # adamw | sgd
+    name: str = "adamw"  # OPTIMIZERS
     lr: float = 1e-3
     min_lr: float = 0.0
     weight_decay: float = 0.01
@@ -122,11 +148,11 @@ class OptimizerConfig:
     eps: float = 1e-8
     momentum: float = 0.9  # sgd only
     clip_grad: float = 1.0  # 0: no clipping
-    zero_stage: int = 1  # 0 | 1 | 2
+    zero_stage: int = 1  # ZERO_STAGES
     bucket_size_mb: float = 25.0
     overlap_grad_reduce: bool = True
     accumulate_grads_in_fp32: bool = True
-    lr_schedule: str = "cosine"  # constant | cosine | linear | wsd
+    lr_schedule: str = "cosine"  # LR_SCHEDULES
     warmup_steps: int = 0
     decay_steps: Optional[int] = None  # None: train.steps - warmup_steps
     wsd_decay_fraction: float = 0.1  # share of decay_steps spent in the WSD cool-down
@@ -141,7 +167,7 @@ class OptimizerConfig:
 class DataConfig:
     """Megatron-format data: prefixes (optionally weighted), split and EOD handling."""
 
-    path: Optional[list] = None  # ["PREFIX"] or ["0.3", "PREFIX_A", "0.7", "PREFIX_B"]
+    path: Optional[list] = None  # [PREFIX, ...] (weighed by size) or [w1, PREFIX1, w2, PREFIX2, ...]: data_path.py
     split: str = "949,50,1"
     cache_dir: Optional[str] = None  # None: beside the data
     reset_position_ids: bool = False
@@ -151,11 +177,14 @@ class DataConfig:
     index_build_timeout_s: float = 3600.0  # budget of index building (the watchdog's limit; others wait this long)
 
 
+TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+
+
 @dataclass
 class TokenizerConfig:
     """Which tokenizer turns text into ids (preprocessing) and which ids are special (training)."""
 
-    type: str = "NullTokenizer"  # GPT2BPETokenizer | SentencePieceTokenizer | HuggingFaceTokenizer | NullTokenizer
+    type: str = "NullTokenizer"  # TOKENIZERS
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
     model: Optional[str] = None  # SentencePiece .model or HF tokenizer directory

@@ -11,24 +11,27 @@ import difflib
 import os
 from typing import Any
 
+from .data_path import parse_data_path
 from .errors import ConfigError, Problem
 from .loader import config_from_dict, config_to_dict
-from .schema import Config
+from .schema import (
+    ACTIVATIONS,
+    ATTENTION_BACKENDS,
+    AXES,
+    BACKENDS,
+    DOMINO_OVERLAPS,
+    DOMINO_SPLITS,
+    LR_SCHEDULES,
+    NORMS,
+    OPTIMIZERS,
+    PIPELINE_PARTITIONS,
+    POSITION_EMBEDDINGS,
+    RECOMPUTE,
+    TOKENIZERS,
+    ZERO_STAGES,
+    Config,
+)
 
-POSITION_EMBEDDINGS = ("learned", "rope")
-NORMS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
-RECOMPUTE = ("none", "full", "selective")
-ATTENTION_BACKENDS = ("auto", "flash", "efficient", "math")
-OPTIMIZERS = ("adamw", "sgd")
-LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
-TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
-BACKENDS = ("auto", "nccl", "gloo")
-PIPELINE_PARTITIONS = ("uniform", "parameters")
-DOMINO_SPLITS = ("row", "column", "2d")
-DOMINO_OVERLAPS = ("intra", "inter")
-ZERO_STAGES = (0, 1, 2)
-AXES = ("tp", "dp", "pp")
 # Files a tokenizer type cannot work without.
 TOKENIZER_FILES = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "SentencePieceTokenizer": ("model",),
                    "HuggingFaceTokenizer": ("model",), "NullTokenizer": ()}
@@ -43,29 +46,6 @@ def _is_number(text: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return True
-
-
-def data_prefixes(path: list) -> list[tuple[float, str]]:
-    """``data.path`` as (weight, prefix) pairs: ``["A", "B"]`` weighs each 1.0, ``["0.3", "A", "0.7", "B"]`` as written.
-
-    The weighted form is recognised by a number in first place. Raises ``ConfigError`` on a malformed list.
-    """
-    if not path:
-        raise ConfigError("data.path", path, "is empty",
-                          "give at least one prefix, e.g. data.path=[data/my_text_document]")
-    if len(path) == 1 or not _is_number(path[0]):
-        return [(1.0, str(prefix)) for prefix in path]
-    if len(path) % 2:
-        raise ConfigError("data.path", path, "a weighted list must alternate weight, prefix",
-                          "write data.path=[0.3,PREFIX_A,0.7,PREFIX_B]")
-    pairs = []
-    for i in range(0, len(path), 2):
-        weight = float(path[i]) if _is_number(path[i]) else None
-        if weight is None or not weight > 0 or weight == float("inf"):
-            raise ConfigError(f"data.path[{i}]", path[i], "must be a positive number (the weight of the next prefix)",
-                              "write a weight > 0 before each prefix")
-        pairs.append((weight, str(path[i + 1])))
-    return pairs
 
 
 class _Checks:
@@ -263,14 +243,14 @@ def _check_train(c: _Checks, cfg: Config, dp: int | None) -> None:
                "keep one: train.bf16=true (preferred) or train.fp16=true")
     if not batch_ok:
         return
-    per_step = t.micro_batch_size * (dp or 1)
+    per_step, micro_batches = t.micro_batch_size * (dp or 1), t.num_microbatches(dp or 1)
     if t.global_batch_size % per_step:
         c.fail("train.global_batch_size", t.global_batch_size,
                f"must be a multiple of micro_batch_size * dp = {t.micro_batch_size} * {dp or 1} = {per_step}",
-               f"use a multiple of {per_step}, e.g. {per_step * max(1, t.global_batch_size // per_step)}")
-    elif dp is not None and p.virtual_pp > 1 and p.pp > 1 and (t.global_batch_size // per_step) % p.pp:
+               f"use a multiple of {per_step}, e.g. {per_step * max(1, micro_batches)}")
+    elif dp is not None and p.virtual_pp > 1 and p.pp > 1 and micro_batches % p.pp:
         c.fail("parallel.virtual_pp", p.virtual_pp, f"the interleaved schedule needs the micro-batches per step "
-               f"(global / (micro * dp) = {t.global_batch_size // per_step}) to be a multiple of pp = {p.pp}",
+               f"(global / (micro * dp) = {micro_batches}) to be a multiple of pp = {p.pp}",
                f"make train.global_batch_size a multiple of {per_step * p.pp} or set parallel.virtual_pp=1")
 
 
@@ -320,12 +300,12 @@ def _check_data(c: _Checks, cfg: Config, check_paths: bool) -> None:
     if d.path is None:
         return
     try:
-        prefixes = data_prefixes(d.path)
+        prefixes = parse_data_path(d.path).prefixes
     except ConfigError as err:
         c.problems.extend(err.problems)
         return
     if check_paths and not d.mock:
-        for _, prefix in prefixes:
+        for prefix in prefixes:
             missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if missing:
                 c.fail("data.path", prefix, f"{' and '.join(prefix + e for e in missing)} not found",

@@ -11,10 +11,11 @@ import json
 import os
 import shutil
 import sys
-import time
 from dataclasses import replace
 
+from ..checkpoint_format import publish_step_dir, start_step_dir
 from ..config import config_to_dict, save_config
+from ..data.progress import Progress
 from .hf_config import (
     detect_model_type,
     hf_config_from_model,
@@ -33,7 +34,6 @@ from .hf_io import (
     shard_names,
     write_hf_index,
 )
-from ..training.checkpoint import publish_step_dir
 from .hf_mapping import group_of, groups, hf_group_to_native, native_group_to_hf
 from .native_io import (
     check_layout,
@@ -43,42 +43,12 @@ from .native_io import (
     native_tensors,
     open_native,
     stage_files,
-    start_step_dir,
 )
 
 # Stored tensors no HF model parameter corresponds to (attention-mask and RoPE buffers of older files).
 _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                     "vocab.json", "merges.txt", "generation_config.json")
-
-
-class Progress:
-    """'label: tensors done/total, MB done/total, MB/s' on stderr: in place on a terminal, every 30 s in a log."""
-
-    def __init__(self, tensors: int, total_bytes: int, label: str, stream=None, quiet: bool = False):
-        self.stream, self.quiet = (stream if stream is not None else sys.stderr), quiet
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.interval = 0.5 if self.tty else 30.0
-        self.total, self.total_bytes, self.label = tensors, total_bytes, label
-        self.done = self.bytes = 0
-        self.start = self._last = time.monotonic()
-
-    def update(self, nbytes_done: int) -> None:
-        self.done += 1
-        self.bytes += nbytes_done
-        if time.monotonic() - self._last >= self.interval:
-            self._last = time.monotonic()
-            self._print("\r" if self.tty else "\n")
-
-    def close(self) -> None:
-        self._print("\n")
-
-    def _print(self, end: str) -> None:
-        if self.quiet:
-            return
-        rate = self.bytes / max(1e-9, time.monotonic() - self.start) / 1e6
-        print(f"{self.label}: {self.done}/{self.total} tensors, {self.bytes / 1e6:,.1f}/{self.total_bytes / 1e6:,.1f} "
-              f"MB, {rate:,.0f} MB/s", end=end, file=self.stream, flush=True)
 
 
 def _plan(group_list, produce) -> dict:
@@ -95,7 +65,8 @@ def _write(group_list, produce, specs: dict, file_for: dict, out_dir: str, label
     per_file: dict[str, dict] = {}
     for name, spec in specs.items():
         per_file.setdefault(file_for[name], {})[name] = spec
-    progress = Progress(len(specs), sum(nbytes(*s) for s in specs.values()), label, quiet=quiet)
+    progress = Progress(sum(nbytes(*s) for s in specs.values()), f"{label}: ", unit="tensors", total_items=len(specs),
+                        quiet=quiet)
     writers = {}
     try:
         for group in group_list:

@@ -1,18 +1,15 @@
-"""The native checkpoint format, offline: which stage file a tensor goes to, metadata, and atomic placement.
+"""The native checkpoint format (``checkpoint_format``), offline: which stage file a tensor goes to, and opening.
 
-The format itself is ``training/checkpoint.py``'s: a ``step_*`` directory with metadata.json and
-``model-pp*.safetensors`` / ``optim-pp*.safetensors`` of full-size tensors under global names, and a
-``latest`` pointer at the root. Since the loader indexes every file, the split by pipeline stage only
-keeps files small and per-rank reads local; it is redone here from the target layout's partition.
+Since the loader indexes every file, the split by pipeline stage only keeps files small and per-rank
+reads local; it is redone here from the target layout's partition.
 """
 from __future__ import annotations
 
 import os
-import shutil
 
+from .. import checkpoint_format as fmt
 from ..config import Config, ConfigError, config_from_dict, config_to_dict, validate_config
 from ..pipeline.stages import layer_partition
-from ..training.checkpoint import VERSION, read_metadata, resolve_load_path, step_dir_name
 from .hf_io import TensorFiles
 from .hf_mapping import POST, PRE, group_of
 
@@ -20,10 +17,10 @@ from .hf_mapping import POST, PRE, group_of
 def stage_files(cfg: Config, prefix: str) -> dict:
     """group (PRE, a layer index, POST) -> the file its tensors go to, e.g. 'model-pp001.safetensors'."""
     pp = cfg.parallel.pp
-    files = {PRE: f"{prefix}-pp000.safetensors", POST: f"{prefix}-pp{pp - 1:03d}.safetensors"}
+    files = {PRE: fmt.stage_file(prefix, 0), POST: fmt.stage_file(prefix, pp - 1)}
     for stage, layers in enumerate(layer_partition(cfg)):
         for layer in layers:
-            files[layer] = f"{prefix}-pp{stage % pp:03d}.safetensors"
+            files[layer] = fmt.stage_file(prefix, stage % pp)
     return files
 
 
@@ -43,8 +40,9 @@ def check_layout(cfg: Config) -> None:
 
 
 def layout(cfg: Config) -> dict:
+    """The layout of a converted checkpoint: tp, pp and virtual pp; any dp and ZeRO stage may load it."""
     par = cfg.parallel
-    return {"tp": par.tp, "pp": par.pp, "dp": None, "virtual_pp": par.virtual_pp, "zero_stage": None}
+    return fmt.layout(par.tp, par.pp, None, par.virtual_pp, None)
 
 
 def open_native(path: str) -> tuple[str, dict, Config]:
@@ -52,29 +50,17 @@ def open_native(path: str) -> tuple[str, dict, Config]:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--input {path!r} is not a directory. Fix: give a checkpoint root (with a "
                                 f"'latest' file) or one of its step_* directories")
-    step_dir = resolve_load_path(path, None)
-    metadata = read_metadata(step_dir)
+    step_dir = fmt.resolve_load_path(path, None)
+    metadata = fmt.read_metadata(step_dir)
     return step_dir, metadata, config_from_dict(metadata["config"])
 
 
 def native_tensors(step_dir: str, prefix: str) -> TensorFiles | None:
     """Every '<prefix>-*.safetensors' tensor of a step directory (None when there are no such files)."""
-    files = sorted(os.path.join(step_dir, f) for f in os.listdir(step_dir)
-                   if f.startswith(prefix + "-") and f.endswith(".safetensors"))
+    files = fmt.stored_files(step_dir, prefix)
     return TensorFiles(files) if files else None
-
-
-def start_step_dir(root: str, step: int) -> str:
-    """A fresh temporary directory beside the final ``step_*``; ``training.checkpoint.publish_step_dir`` moves it into place."""
-    if os.path.isfile(root):
-        raise FileExistsError(f"--output {root!r} is a file. Fix: give a directory path")
-    tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    return tmp
 
 
 def model_only_metadata(cfg: Config) -> dict:
     """metadata.json of a checkpoint that holds weights only: a run loading it starts at step 0, optimizer fresh."""
-    return {"version": VERSION, "step": 0, "consumed_samples": 0, "has_optimizer": False, "lr_schedule": None,
-            "optimizer": None, "layout": layout(cfg), "config": config_to_dict(cfg)}
+    return fmt.metadata(0, config_to_dict(cfg), layout(cfg))

@@ -1,6 +1,6 @@
 """Data pipeline: tokenizers, Megatron-compatible indexed datasets, GPT samples, blending, per-rank loading."""
 from .blended_dataset import BlendedDataset, build_blending_indices
-from .builder import build_train_valid_test_datasets, parse_data_path
+from .builder import build_train_valid_test_datasets
 from .gpt_dataset import GPTDataset, MockGPTDataset, SampleOptions
 from .indexed_dataset import IndexedDataset, IndexedDatasetBuilder, token_dtype
 from .loader import MicroBatchLoader
@@ -19,5 +19,5 @@ __all__ = [
     "BaseTokenizer", "BlendedDataset", "GPT2BPETokenizer", "GPTDataset", "HuggingFaceTokenizer", "IndexedDataset",
     "IndexedDatasetBuilder", "MicroBatchLoader", "MockGPTDataset", "NullTokenizer", "PreprocessOptions",
     "PreprocessStats", "SampleOptions", "SentencePieceTokenizer", "build_blending_indices", "build_tokenizer",
-    "build_train_valid_test_datasets", "make_sample", "parse_data_path", "preprocess", "token_dtype",
+    "build_train_valid_test_datasets", "make_sample", "preprocess", "token_dtype",
 ]

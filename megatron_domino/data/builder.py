@@ -1,7 +1,11 @@
 """From the run configuration to the train/valid/test datasets the trainer iterates.
 
-``data.path`` is Megatron's list: ``[PREFIX]`` or ``[w1, PREFIX1, w2, PREFIX2, ...]``. Every prefix is split
-into train/valid/test by ``data.split`` over its documents; with several prefixes each split is a blend.
+``data.path`` is Megatron's list (parsed by ``config.data_path``): ``[PREFIX, ...]`` or ``[w1, PREFIX1, w2,
+PREFIX2, ...]``. Every prefix is split into train/valid/test by ``data.split`` over its documents; with several
+prefixes each split is a blend. Without weights, each prefix weighs what Megatron's ``BlendedMegatronDatasetBuilder``
+gives it: its size, the number of samples one pass over its part of the split holds ((tokens - 1) // seq_length),
+so every sample of every prefix is drawn about equally often. Megatron then caps the blend at one such pass; here
+the blend holds the samples asked for, going round the prefixes again in the same proportions.
 ``data.mock`` replaces all of it with synthetic tokens.
 """
 from __future__ import annotations
@@ -11,34 +15,19 @@ from typing import Callable
 
 import numpy as np
 
+from megatron_domino.config.data_path import EXAMPLES, parse_data_path
+from megatron_domino.config.errors import ConfigError
 from megatron_domino.config.schema import Config
 
 from .blended_dataset import BlendedDataset, load_blending_indices
 from .gpt_dataset import GPTDataset, MockGPTDataset, SampleOptions
-from .gpt_index import parse_split, split_ranges
+from .gpt_index import parse_split, samples_in, split_ranges
 from .index_cache import cache_dir_for
 from .indexed_dataset import IndexedDataset
+from .token_check import check_token_ids
 from .tokenizer import build_tokenizer
 
 SPLIT_NAMES = ("train", "valid", "test")
-
-
-def parse_data_path(path) -> list[tuple[float, str]]:
-    """(weight, prefix) pairs from ``data.path``."""
-    if not path:
-        raise ValueError("data.path is empty; set data.path: [PREFIX] (PREFIX.bin/.idx from tools/preprocess_data.py) "
-                         "or data.mock: true for synthetic data")
-    items = [str(x) for x in ([path] if isinstance(path, str) else path)]
-    if len(items) == 1:
-        return [(1.0, items[0])]
-    try:
-        pairs = [(float(items[i]), items[i + 1]) for i in range(0, len(items), 2)] if len(items) % 2 == 0 else None
-    except ValueError:
-        pairs = None
-    if pairs is None:
-        raise ValueError(f"data.path={items} must be [PREFIX] or weight/prefix pairs [w1, PREFIX1, w2, PREFIX2, ...]; "
-                         f"write a weight before every prefix")
-    return pairs
 
 
 def _sample_options(cfg: Config, eod: int) -> SampleOptions:
@@ -73,27 +62,45 @@ def build_train_valid_test_datasets(cfg: Config, num_samples: tuple[int, int, in
         return tuple(MockGPTDataset(n, cfg.model.vocab_size, options, cfg.train.seed, s) if want else None
                      for s, (n, want) in enumerate(zip(num_samples, wanted)))
     options = _sample_options(cfg, _eod_token(cfg))
-    sources = parse_data_path(cfg.data.path)
-    indexed = {prefix: IndexedDataset(prefix) for _, prefix in sources}
+    blend = parse_data_path(cfg.data.path)
+    indexed = {prefix: IndexedDataset(prefix) for prefix in blend.prefixes}
+    for prefix, dataset in indexed.items():  # ids beyond the vocabulary would train silently at tp > 1
+        check_token_ids(dataset, cfg.model.vocab_size, cache_dir_for(prefix, cfg.data.cache_dir), build_on_this_rank,
+                        barrier)
     result = []
     for s, name in enumerate(SPLIT_NAMES):
         if not wanted[s]:
             result.append(None)
             continue
         build = dict(options=options, seed=cfg.train.seed, build_on_this_rank=build_on_this_rank, barrier=barrier)
-        if len(sources) == 1:
-            prefix = sources[0][1]
+        if len(blend.prefixes) == 1:
+            prefix = blend.prefixes[0]
             result.append(_gpt_dataset(indexed[prefix], shares, s, num_samples[s], cfg.data.cache_dir, **build))
             continue
-        description = {"prefixes": [os.path.abspath(p) for _, p in sources], "split": name, "data_split": shares}
-        choice, within = load_blending_indices([w for w, _ in sources], num_samples[s],
-                                               cache_dir_for(sources[0][1], cfg.data.cache_dir), description,
+        weights = blend.weights or _sizes(cfg, [indexed[p] for p in blend.prefixes], shares, s)
+        description = {"prefixes": [os.path.abspath(p) for p in blend.prefixes], "split": name, "data_split": shares}
+        choice, within = load_blending_indices(weights, num_samples[s],
+                                               cache_dir_for(blend.prefixes[0], cfg.data.cache_dir), description,
                                                build_on_this_rank, barrier)
-        counts = np.bincount(np.asarray(choice, dtype=np.int64), minlength=len(sources))
+        counts = np.bincount(np.asarray(choice, dtype=np.int64), minlength=len(blend.prefixes))
         parts = [_gpt_dataset(indexed[prefix], shares, s, int(count), cfg.data.cache_dir, **build) if count else None
-                 for (_, prefix), count in zip(sources, counts)]
+                 for prefix, count in zip(blend.prefixes, counts)]
         result.append(BlendedDataset(parts, choice, within))
     return tuple(result)
+
+
+def _sizes(cfg: Config, datasets: list[IndexedDataset], shares: list[float], split: int) -> list[int]:
+    """Blend weights of an unweighted ``data.path``: the samples one pass over each prefix's part of the split holds."""
+    sizes = []
+    for indexed in datasets:
+        first, last = split_ranges(shares, len(indexed))[split]
+        sizes.append(samples_in(int(indexed.sizes[first:last].sum(dtype=np.int64)), cfg.model.seq_length))
+    if not any(sizes):
+        raise ConfigError("data.path", cfg.data.path, f"no prefix holds a whole sample of model.seq_length + 1 = "
+                          f"{cfg.model.seq_length + 1} tokens in the {SPLIT_NAMES[split]} split (data.split = "
+                          f"{cfg.data.split!r}), so there is nothing to weigh them by",
+                          f"add data, give that split a larger share, or weigh the prefixes: {EXAMPLES}")
+    return sizes
 
 
 def _gpt_dataset(indexed: IndexedDataset, shares: list[float], split: int, count: int, cache_dir: str | None,

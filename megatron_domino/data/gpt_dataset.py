@@ -14,6 +14,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from megatron_domino.config.errors import DataError
+
 from . import gpt_index
 from .index_cache import load_or_build
 from .indexed_dataset import IndexedDataset
@@ -48,8 +50,8 @@ class GPTDataset(torch.utils.data.Dataset):
         self.indexed, self.options = indexed, options
         first, last = document_range
         if last <= first:
-            raise ValueError(f"the {split_name} split of {indexed.prefix} holds no documents (range {first}..{last} of "
-                             f"{len(indexed)}); change data.split or add data")
+            raise DataError(f"the {split_name} split of {indexed.prefix} holds no documents (range {first}..{last} of "
+                            f"{len(indexed)}). Fix: change data.split or add data")
         documents = np.arange(first, last, dtype=np.int64)
         tokens_per_epoch = int(indexed.sizes[first:last].sum(dtype=np.int64))
         description = {

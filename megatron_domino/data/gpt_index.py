@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from megatron_domino.config.errors import DataError
+
 _DOCUMENT_STREAM, _SAMPLE_STREAM = 0, 1
 
 
@@ -39,10 +41,15 @@ def split_ranges(shares: list[float], num_documents: int) -> list[tuple[int, int
     return [(bounds[i], bounds[i + 1]) for i in range(3)]
 
 
+def samples_in(tokens: int, seq_length: int) -> int:
+    """Samples of ``seq_length + 1`` tokens that ``tokens`` packed tokens hold (neighbours share one token)."""
+    return max(0, (tokens - 1) // seq_length)
+
+
 def epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
     """Fewest epochs whose token stream holds ``num_samples`` samples of ``seq_length + 1`` tokens."""
     if tokens_per_epoch <= 0:
-        raise ValueError("a dataset split has no tokens; lower the share of the other splits in data.split or add data")
+        raise DataError("a dataset split has no tokens; lower the share of the other splits in data.split or add data")
     # samples available from T tokens: (T - 1) // L
     return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
 
@@ -63,7 +70,7 @@ def build_sample_index(lengths: np.ndarray, seq_length: int) -> np.ndarray:
     """
     ends = np.cumsum(lengths, dtype=np.int64)
     total = int(ends[-1]) if len(ends) else 0
-    num_samples = max(0, (total - 1) // seq_length)
+    num_samples = samples_in(total, seq_length)
     starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
     entry = np.searchsorted(ends, starts, side="right")
     offset = starts - (ends[entry] - np.asarray(lengths, dtype=np.int64)[entry])

@@ -13,7 +13,9 @@ byte for byte. The .idx holds, little-endian:
     int64[D]  document index: document k is sequences [doc[k], doc[k+1]); starts with 0, ends with N
 
 A "sequence" is what Megatron's GPT dataset packs; with one sequence per document (no sentence splitting)
-sequences and documents coincide.
+sequences and documents coincide, except that an empty document has no sequence (as Megatron's writer
+leaves it), so that document k stays line k + 1 of the corpus. The .bin holds exactly the tokens the index
+describes; any other size means the two files do not belong together.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import struct
 from array import array
 
 import numpy as np
+
+from megatron_domino.config.errors import DataError
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -57,38 +61,40 @@ class IndexedDataset:
         with open(idx_file, "rb") as f:
             header = f.read(HEADER_BYTES)
         if len(header) < HEADER_BYTES:
-            raise ValueError(f"{idx_file} is truncated: {len(header)} bytes, shorter than the {HEADER_BYTES}-byte "
+            raise DataError(f"{idx_file} is truncated: {len(header)} bytes, shorter than the {HEADER_BYTES}-byte "
                              f"MMIDIDX header; re-run the preprocessing")
         if header[:len(INDEX_MAGIC)] != INDEX_MAGIC:
-            raise ValueError(f"{idx_file} is not a Megatron MMIDIDX index (starts with {header[:9]!r}, expected "
+            raise DataError(f"{idx_file} is not a Megatron MMIDIDX index (starts with {header[:9]!r}, expected "
                              f"{INDEX_MAGIC!r}); the old 'cached'/'lazy' formats are not supported, re-run the "
                              f"preprocessing")
         version, code, n_seq, n_doc = struct.unpack("<QBQQ", header[len(INDEX_MAGIC):])
         if version != INDEX_VERSION:
-            raise ValueError(f"{idx_file} has index version {version}; only version {INDEX_VERSION} is supported")
+            raise DataError(f"{idx_file} has index version {version}; only version {INDEX_VERSION} is supported")
         if code not in DTYPE_BY_CODE:
-            raise ValueError(f"{idx_file} has dtype code {code}; known codes are {sorted(DTYPE_BY_CODE)}")
+            raise DataError(f"{idx_file} has dtype code {code}; known codes are {sorted(DTYPE_BY_CODE)}")
         self.dtype = np.dtype(DTYPE_BY_CODE[code])
         expected = HEADER_BYTES + 4 * n_seq + 8 * n_seq + 8 * n_doc
         actual = os.path.getsize(idx_file)
         if actual not in (expected, expected + n_seq):  # + n_seq: Megatron's multimodal mode bytes, ignored here
-            raise ValueError(f"{idx_file} is {actual} bytes but its header ({n_seq} sequences, {n_doc} document "
+            raise DataError(f"{idx_file} is {actual} bytes but its header ({n_seq} sequences, {n_doc} document "
                              f"entries) needs {expected}: the file is truncated or corrupt; re-run the preprocessing")
         if n_doc == 0:
-            raise ValueError(f"{idx_file} has an empty document index (it always starts with 0); the file is corrupt")
+            raise DataError(f"{idx_file} has an empty document index (it always starts with 0); the file is corrupt")
         index = np.memmap(idx_file, dtype=np.uint8, mode="r")
         self.sizes = np.frombuffer(index, np.int32, n_seq, HEADER_BYTES)
         self.pointers = np.frombuffer(index, np.int64, n_seq, HEADER_BYTES + 4 * n_seq)
         self.document_indices = np.frombuffer(index, np.int64, n_doc, HEADER_BYTES + 12 * n_seq)
         self._index = index
         if self.document_indices[0] != 0 or self.document_indices[-1] != n_seq:
-            raise ValueError(f"{idx_file}: the document index must run from 0 to {n_seq} but runs from "
+            raise DataError(f"{idx_file}: the document index must run from 0 to {n_seq} but runs from "
                              f"{self.document_indices[0]} to {self.document_indices[-1]}; the file is corrupt")
         need = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if n_seq else 0
         have = os.path.getsize(bin_file)
-        if have < need:
-            raise ValueError(f"{bin_file} is {have} bytes but its index points up to byte {need}: the .bin is "
-                             f"truncated; re-run the preprocessing")
+        if have != need:
+            what = "the .bin is truncated" if have < need else "the .bin holds more than its index describes"
+            raise DataError(f"{bin_file} is {have} bytes but {idx_file} describes {need} ({n_seq} sequences of "
+                            f"{self.dtype}): {what}, so the two files do not belong together or one is damaged. "
+                            f"Fix: keep each .bin with the .idx written beside it, or re-run the preprocessing")
         self._data = np.memmap(bin_file, dtype=np.uint8, mode="r") if have else np.zeros(0, np.uint8)
 
     def __len__(self) -> int:
@@ -100,6 +106,10 @@ class IndexedDataset:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.get(i)
+
+    def tokens(self) -> np.ndarray:
+        """Every token of the .bin, sequences back to back (a view into the mmap)."""
+        return np.frombuffer(self._data, self.dtype)
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``[offset, offset + length)`` of sequence ``i`` (to its end when ``length`` is None)."""
@@ -150,9 +160,9 @@ class IndexedDatasetBuilder:
         self._documents = array("q", [0])
 
     def add_document(self, tokens, sequence_lengths=None) -> None:
-        """One document; ``sequence_lengths`` cuts it into several sequences (default: one)."""
+        """One document; ``sequence_lengths`` cuts it into several sequences (default: one, none when empty)."""
         tokens = np.asarray(tokens, dtype=self.dtype)
-        lengths = [len(tokens)] if sequence_lengths is None else list(sequence_lengths)
+        lengths = ([len(tokens)] if len(tokens) else []) if sequence_lengths is None else list(sequence_lengths)
         if sum(lengths) != len(tokens):
             raise ValueError(f"sequence lengths sum to {sum(lengths)} but the document has {len(tokens)} tokens")
         self._bin.write(tokens.tobytes())
@@ -160,15 +170,16 @@ class IndexedDatasetBuilder:
         self._documents.append(len(self._sizes))
 
     def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Many one-sequence documents at once: ``tokens`` is their concatenation, ``lengths`` their sizes."""
+        """Many documents at once: ``tokens`` is their concatenation, ``lengths`` their sizes; each is one
+        sequence, an empty one none (its document-index entry repeats the previous one)."""
         tokens = np.asarray(tokens, dtype=self.dtype)
         lengths = np.asarray(lengths, dtype=np.int64)
         if int(lengths.sum()) != len(tokens):
             raise ValueError(f"document lengths sum to {int(lengths.sum())} but {len(tokens)} tokens were given")
         start = len(self._sizes)
         self._bin.write(tokens.tobytes())
-        self._sizes.extend(lengths.astype(np.int32).tolist())
-        self._documents.extend(range(start + 1, start + len(lengths) + 1))
+        self._sizes.extend(lengths[lengths > 0].astype(np.int32).tolist())
+        self._documents.extend((start + np.cumsum(lengths > 0)).tolist())
 
     def add_index(self, prefix: str) -> None:
         """Append a whole existing dataset (used to merge preprocessing partitions)."""

@@ -19,6 +19,8 @@ import warnings
 
 import torch
 
+from megatron_domino.config.errors import DataError
+
 
 class MicroBatchLoader:
     """Micro-batches of this DP rank for successive global batches."""
@@ -33,11 +35,10 @@ class MicroBatchLoader:
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is outside [0, {dp_size})")
         if len(dataset) == 0:
-            raise ValueError("the dataset is empty; check data.path and data.split")
+            raise DataError("the dataset is empty. Fix: check data.path and data.split")
         self.dataset = dataset
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.num_micro_batches = global_batch_size // (micro_batch_size * dp_size)
         self._consumed = int(consumed_samples)
         self._warned_wrap = False
 

@@ -1,8 +1,10 @@
 """JSONL -> Megatron MMIDIDX (PREFIX_<key>_document.bin/.idx), with worker processes and resumable partitions.
 
 One JSON object per line; each ``json_keys`` field is tokenized into its own dataset, one document per line.
-A line that cannot be used (not UTF-8, not JSON, not an object, key missing or not a string, tokenizer
-failure) is skipped for every key, counted and reported with its line number; it never stops the run.
+An empty text stays an empty document (no sequence, as Megatron-LM's tool writes it), so document k is
+line k + 1 of a clean input. A blank line is skipped and counted. A line that cannot be used (not UTF-8,
+not JSON, not an object, key missing or not a string, tokenizer failure) is skipped for every key, counted
+and reported with its line number; it never stops the run.
 Outputs are written under temporary names and renamed when complete. With ``partitions`` > 1 the input
 is cut into byte ranges processed one after another, each finished range kept on disk, so an
 interrupted run resumes at the first unfinished range.
@@ -50,7 +52,7 @@ class PreprocessStats:
     tokens: int = 0
     bytes: int = 0
     blank_lines: int = 0  # whitespace-only lines, skipped silently
-    empty_documents: int = 0  # documents with no tokens, skipped
+    empty_documents: int = 0  # documents with no tokens, kept (counted in ``documents`` too)
     bad_count: int = 0
     bad_lines: list = field(default_factory=list)  # (line number, reason), the first _BAD_LINES_KEPT
     seconds: float = 0.0
@@ -64,8 +66,8 @@ class PreprocessStats:
         s = max(self.seconds, 1e-9)
         return (f"{self.documents:,} documents, {self.tokens:,} tokens from {self.lines:,} lines "
                 f"({self.bytes / 2**20:.1f} MB) in {self.seconds:.1f} s: {self.documents / s:,.0f} docs/s, "
-                f"{self.tokens / s:,.0f} tokens/s, {self.bytes / s / 2**20:.2f} MB/s; skipped {self.bad_count:,} bad "
-                f"lines, {self.empty_documents:,} empty documents, {self.blank_lines:,} blank lines")
+                f"{self.tokens / s:,.0f} tokens/s, {self.bytes / s / 2**20:.2f} MB/s; {self.empty_documents:,} empty "
+                f"documents kept; skipped {self.bad_count:,} bad lines, {self.blank_lines:,} blank lines")
 
 
 def output_prefix(prefix: str, key: str) -> str:
@@ -102,7 +104,6 @@ def _encode_batch(task: tuple[int, list[bytes]]) -> tuple[dict, PreprocessStats]
             continue
         if not any(len(d) for d in docs.values()):
             stats.empty_documents += 1
-            continue
         for key, ids in docs.items():
             per_key[key][0].append(ids)
             per_key[key][1].append(len(ids))
@@ -184,7 +185,8 @@ def _convert_range(options, byte_range, prefixes: dict, dtype, pool, progress) -
             for key, (tokens, lengths) in out.items():
                 builders[key].add_documents(tokens, lengths)
             stats.add(batch_stats)
-            progress.update(batch_stats.bytes, batch_stats.documents, batch_stats.tokens, batch_stats.bad_count)
+            progress.update(batch_stats.bytes, batch_stats.documents, tokens=batch_stats.tokens,
+                            bad_lines=batch_stats.bad_count)
         for builder in builders.values():
             builder.finalize()
     except BaseException:
@@ -222,7 +224,7 @@ def _convert_partitions(options, ranges, dtype, pool, progress) -> PreprocessSta
         prefixes = {key: f"{tag}_{key}" for key in options.json_keys}
         if os.path.exists(tag + ".done.json"):
             done = PreprocessStats(**_read_json(tag + ".done.json"))
-            progress.update(done.bytes, done.documents, done.tokens, done.bad_count)
+            progress.update(done.bytes, done.documents, tokens=done.tokens, bad_lines=done.bad_count)
         else:
             progress.label = f"[part {k + 1}/{len(ranges)}] "
             done = _convert_range(options, byte_range, prefixes, dtype, pool, progress)

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_domino.config.schema import TokenizerConfig
-
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+from megatron_domino.config.schema import TOKENIZERS, TokenizerConfig
 
 
 class BaseTokenizer:
@@ -141,7 +139,7 @@ def build_tokenizer(cfg: TokenizerConfig, vocab_size: int | None = None) -> Base
         _require(cfg, "model", "--tokenizer-model", "an HF tokenizer directory or tokenizer.json")
         tok = HuggingFaceTokenizer(cfg.model)
     else:
-        raise ValueError(f"tokenizer.type={kind!r} is unknown; use one of {', '.join(TOKENIZER_TYPES)}")
+        raise ValueError(f"tokenizer.type={kind!r} is unknown; use one of {', '.join(TOKENIZERS)}")
     if vocab_size is not None and tok.vocab_size > vocab_size:
         raise ValueError(f"model.vocab_size={vocab_size} is smaller than the {kind} vocabulary ({tok.vocab_size}); "
                          f"set model.vocab_size: {tok.vocab_size} (TP padding is added on top automatically)")

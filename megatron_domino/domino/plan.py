@@ -9,8 +9,8 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-SPLITS = ("row", "column", "2d")
-OVERLAPS = ("intra", "inter")
+from ..config.schema import DOMINO_OVERLAPS as OVERLAPS
+from ..config.schema import DOMINO_SPLITS as SPLITS
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..parallel.random import get_tracker
-from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext
 from .recompute import recompute
 from .rope import apply_rotary
 
@@ -33,20 +33,16 @@ def sdpa_backend(name: str):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, group, *, grad_pieces: int, sequence_parallel: bool, dtype, device):
+    def __init__(self, cfg, ctx: TPContext):
         super().__init__()
-        tp = torch.distributed.get_world_size(group) if group is not None else 1
         heads, groups, head_dim = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
-        self.queries_per_group, self.local_groups, self.head_dim = heads // groups, groups // tp, head_dim
+        self.queries_per_group, self.local_groups, self.head_dim = heads // groups, groups // ctx.size, head_dim
         self.dropout_p, self.selective = cfg.attention_dropout, cfg.recompute == "selective"
         self.backend = cfg.attention_backend
         output_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, (heads + 2 * groups) * head_dim, group, bias=cfg.bias,
-                                        sequence_parallel=sequence_parallel, grad_pieces=grad_pieces,
-                                        init_std=cfg.init_std, dtype=dtype, device=device)
-        self.proj = RowParallelLinear(heads * head_dim, cfg.hidden_size, group, bias=cfg.bias,
-                                      sequence_parallel=sequence_parallel, init_std=output_std,
-                                      dtype=dtype, device=device)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, (heads + 2 * groups) * head_dim, ctx, bias=cfg.bias,
+                                        init_std=cfg.init_std)
+        self.proj = RowParallelLinear(heads * head_dim, cfg.hidden_size, ctx, bias=cfg.bias, init_std=output_std)
 
     def context(self, x: torch.Tensor, rotary, attention_mask) -> torch.Tensor:
         """Everything up to the output projection: [b, s, h] -> this rank's heads [b, s, local heads * d]."""

@@ -1,10 +1,10 @@
-"""One pre-norm transformer block, exposed as two phases for the Domino schedule.
+"""One pre-norm transformer block: ``forward`` reads top to bottom, as nanoGPT's and Megatron's do.
 
-Each phase (attention, MLP) is split where tensor parallelism communicates: ``phase_hidden``
+Each of its two phases (attention, MLP) ends where tensor parallelism communicates: ``phase_hidden``
 computes up to the row-parallel projection's input (recomputable, no forward communication),
-``projection`` is that row-parallel layer, and ``residual`` adds bias, dropout and the residual
-once the projection's all-reduce has completed. The schedule in ``domino.schedule`` decides
-when each all-reduce is launched and waited.
+``projection`` is that row-parallel layer (its all-reduce), and ``residual`` adds bias, dropout and
+the residual. ``forward`` runs them in order with synchronous all-reduces; Domino runs the same
+pieces per mu-chunk in the order of ``domino.order`` (``domino.executor``).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.random import get_tracker
+from ..tensor_parallel import TPContext
 from .attention import Attention
 from .mlp import MLP
 from .norms import Norm
@@ -20,19 +21,21 @@ from .recompute import recompute
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg, group, *, layer_number: int, grad_pieces: int = 0, sequence_parallel: bool = False,
-                 dtype=torch.float32, device=None):
+    def __init__(self, cfg, ctx: TPContext, *, layer_number: int):
         super().__init__()
-        self.layer_number = layer_number
+        self.layer_number, self.ctx = layer_number, ctx
         self.hidden_dropout, self.full_recompute = cfg.hidden_dropout, cfg.recompute == "full"
-        self.sequence_parallel = sequence_parallel
-        common = dict(grad_pieces=grad_pieces, sequence_parallel=sequence_parallel, dtype=dtype, device=device)
-        self.input_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, sequence_parallel=sequence_parallel,
-                               dtype=dtype, device=device)
-        self.attention = Attention(cfg, group, **common)
-        self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps,
-                                        sequence_parallel=sequence_parallel, dtype=dtype, device=device)
-        self.mlp = MLP(cfg, group, **common)
+        self.input_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, ctx)
+        self.attention = Attention(cfg, ctx)
+        self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, ctx)
+        self.mlp = MLP(cfg, ctx)
+
+    def forward(self, x: torch.Tensor, rotary=None, attention_mask=None) -> torch.Tensor:
+        """One layer with synchronous TP: each projection all-reduces (reduce-scatters under SP) in place."""
+        h = self.phase_hidden("attention", x, rotary, attention_mask)  # norm, QKV, attention
+        x = self.residual(*self.attention.proj(h), x)  # output projection: all-reduce over TP
+        h = self.phase_hidden("mlp", x, rotary, attention_mask)  # norm, fc1, activation
+        return self.residual(*self.mlp.fc2(h), x)  # fc2: all-reduce over TP
 
     def _attention_hidden(self, x, rotary, attention_mask):
         return self.attention.context(self.input_norm(x), rotary, attention_mask)
@@ -54,7 +57,7 @@ class TransformerBlock(nn.Module):
         """residual + dropout(reduced + bias); under SP the activations differ per TP rank, so the TP stream."""
         out = reduced if bias is None else reduced + bias
         if self.training and self.hidden_dropout > 0:
-            if self.sequence_parallel:
+            if self.ctx.sequence_parallel:
                 with get_tracker().fork():
                     out = F.dropout(out, self.hidden_dropout)
             else:

@@ -39,7 +39,8 @@ def _layer_matmul_parameters(model: ModelConfig) -> int:
     return attention + mlp
 
 
-def _norm_parameters(model: ModelConfig) -> int:
+def norm_parameters(model: ModelConfig) -> int:
+    """One norm's parameters: LayerNorm has weight and bias, RMSNorm a weight only."""
     return (1 if model.norm == "rmsnorm" else 2) * model.hidden_size
 
 
@@ -47,12 +48,12 @@ def count_parameters(model: ModelConfig, tp: int = 1, padded_vocab: bool = False
     """Total parameters of the model. ``padded_vocab`` counts the TP-padded vocabulary (``tp`` sets the padding)."""
     h, f, d = model.hidden_size, model.ffn_size, model.head_dim
     vocab = _vocab(model, tp, padded_vocab)
-    per_layer = _layer_matmul_parameters(model) + 2 * _norm_parameters(model)
+    per_layer = _layer_matmul_parameters(model) + 2 * norm_parameters(model)
     if model.bias:
         q_width, kv_width = model.num_attention_heads * d, model.query_groups * d
         per_layer += q_width + 2 * kv_width + h
         per_layer += (2 * f if model.activation == "swiglu" else f) + h
-    total = vocab * h + model.num_layers * per_layer + _norm_parameters(model)
+    total = vocab * h + model.num_layers * per_layer + norm_parameters(model)
     if model.position_embedding == "learned":
         total += model.max_positions * h
     if not model.tie_embeddings:

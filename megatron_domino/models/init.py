@@ -10,39 +10,39 @@ import zlib
 
 import torch
 
-from ..tensor_parallel.sharding import get_shard_spec, shard
+from ..tensor_parallel.sharding import ParamInfo, shard, sharding_table
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
 
 
-def full_shape(param: torch.Tensor) -> tuple[int, ...]:
-    spec = get_shard_spec(param)
+def full_shape(param: torch.Tensor, info: ParamInfo) -> tuple[int, ...]:
     shape = list(param.shape)
-    if spec is not None:
-        shape[spec.dim] = spec.full_size
+    if info.spec is not None:
+        shape[info.spec.dim] = info.spec.full_size
     return tuple(shape)
 
 
-def full_init_tensor(param: torch.Tensor, name: str, seed: int) -> torch.Tensor:
-    """The full-size initial value of ``param`` (fp32, CPU)."""
-    shape = full_shape(param)
-    kind = getattr(param, "init_kind", "normal")
-    if kind == "zeros":
+def full_init_tensor(shape: tuple[int, ...], info: ParamInfo, name: str, seed: int) -> torch.Tensor:
+    """The full-size initial value of the parameter ``name`` (fp32, CPU)."""
+    if info.init == "zeros":
         return torch.zeros(shape)
-    if kind == "ones":
+    if info.init == "ones":
         return torch.ones(shape)
-    rows = getattr(param, "vocab_rows", None)
-    if rows is None:
-        return torch.empty(shape).normal_(0.0, param.init_std, generator=_generator(seed, name))
+    if info.vocab_rows is None:
+        return torch.empty(shape).normal_(0.0, info.std, generator=_generator(seed, name))
     full = torch.zeros(shape)  # padded vocabulary rows stay zero; real rows do not depend on the padding
-    full[:rows].normal_(0.0, param.init_std, generator=_generator(seed, name))
+    full[:info.vocab_rows].normal_(0.0, info.std, generator=_generator(seed, name))
     return full
 
 
 @torch.no_grad()
 def initialize_weights(model, seed: int, tp_rank: int = 0, tp: int = 1) -> None:
-    for name, param in model.named_global_parameters():
-        full = full_init_tensor(param, name, seed)
-        param.copy_(shard(full, get_shard_spec(param), tp_rank, tp))
+    """Every parameter from its full-size initial value, as its sharding-table row says."""
+    table = sharding_table(model)
+    rename = getattr(model, "global_name", lambda name: name)
+    for name, param in model.named_parameters():
+        info = table[name]
+        global_name = info.tied_to or rename(name)
+        param.copy_(shard(full_init_tensor(full_shape(param, info), info, global_name, seed), info.spec, tp_rank, tp))

@@ -8,18 +8,20 @@ final norm, output head and loss only where ``post_process``, and exactly the bl
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..domino.async_comm import launch_reduce
+from ..tensor_parallel.async_comm import launch_reduce
+from ..domino.executor import run_order
+from ..domino.order import forward_order
 from ..domino.plan import DominoPlan
-from ..domino.schedule import run_blocks
 from ..parallel import comm
 from ..parallel.random import get_tracker
-from ..tensor_parallel import VocabParallelEmbedding, column_parallel_linear, make_param, vocab_parallel_cross_entropy
-from ..tensor_parallel.sharding import ShardSpec
+from ..tensor_parallel import (ParamInfo, ShardSpec, TPContext, VocabParallelEmbedding, column_parallel_linear, declare,
+                               make_param, sharding_table, vocab_parallel_cross_entropy)
 from .block import TransformerBlock
 from .norms import Norm
 from .rope import inverse_frequencies, rotary_tables
@@ -28,45 +30,42 @@ WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 
 class LanguageModel(nn.Module):
-    def __init__(self, cfg, tp_group=None, *, layer_ids: list[int] | None = None, pre_process: bool = True,
-                 post_process: bool = True, plan: DominoPlan | None = None, sequence_parallel: bool = False,
-                 dtype=torch.float32, device=None):
+    def __init__(self, cfg, ctx: TPContext | None = None, *, layer_ids: list[int] | None = None,
+                 pre_process: bool = True, post_process: bool = True, plan: DominoPlan | None = None):
+        """``ctx``: where the TP layers run (default: one rank, fp32, CPU); the Domino ``plan`` sets how they
+        reduce input gradients."""
         super().__init__()
-        self.cfg, self.group, self.plan = cfg, tp_group, plan or DominoPlan()
-        self.tp = comm.group_size(tp_group)
+        self.cfg, self.plan = cfg, plan or DominoPlan()
+        self.ctx = replace(ctx or TPContext(), grad_pieces=self.plan.grad_pieces)
+        self.domino_step = None  # the Domino step running now, for traces (see domino.order.Step)
         self.pre_process, self.post_process = pre_process, post_process
-        self.sequence_parallel = sequence_parallel and self.tp > 1
         self.layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
-        self.padded_vocab = cfg.padded_vocab_size(self.tp)
+        self.padded_vocab = cfg.padded_vocab_size(self.ctx.size)
         if pre_process:
             self.embedding = nn.Module()
             self.embedding.word_embeddings = VocabParallelEmbedding(
-                cfg.vocab_size, self.padded_vocab, cfg.hidden_size, tp_group, init_std=cfg.init_std,
-                dtype=dtype, device=device)
+                cfg.vocab_size, self.padded_vocab, cfg.hidden_size, self.ctx, init_std=cfg.init_std)
             if cfg.position_embedding == "learned":
-                self.embedding.position_embeddings = nn.Embedding(cfg.max_positions, cfg.hidden_size,
-                                                                  dtype=dtype, device=device)
-                weight = self.embedding.position_embeddings.weight
-                weight.init_kind, weight.init_std, weight.shard_spec = "normal", cfg.init_std, None
+                self.embedding.position_embeddings = nn.Module()
+                declare(self.embedding.position_embeddings, "weight",
+                        make_param((cfg.max_positions, cfg.hidden_size), self.ctx),
+                        ParamInfo(None, "normal", cfg.init_std))
         if cfg.position_embedding == "rope":
             self.register_buffer("inv_freq", inverse_frequencies(
                 cfg.head_dim, cfg.rope_base, cfg.rope_scaling_factor, cfg.rope_low_freq_factor,
-                cfg.rope_high_freq_factor, cfg.rope_original_max_position).to(device), persistent=False)
-        self.layers = nn.ModuleList(
-            TransformerBlock(cfg, tp_group, layer_number=i, grad_pieces=self.plan.grad_pieces,
-                             sequence_parallel=self.sequence_parallel, dtype=dtype, device=device)
-            for i in self.layer_ids)
+                cfg.rope_high_freq_factor, cfg.rope_original_max_position).to(self.ctx.device), persistent=False)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, self.ctx, layer_number=i) for i in self.layer_ids)
         if post_process:
-            self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps,
-                                   sequence_parallel=self.sequence_parallel, dtype=dtype, device=device)
+            self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.ctx)
             if not (cfg.tie_embeddings and pre_process):
                 spec = ShardSpec(0, (self.padded_vocab,))
                 self.output_layer = nn.Module()
-                self.output_layer.weight = make_param((spec.local_size(self.tp), cfg.hidden_size), dtype, device,
-                                                      "normal", cfg.init_std, spec)
-                self.output_layer.weight.vocab_rows = cfg.vocab_size
-                if cfg.tie_embeddings:  # a copy of the first stage's embedding, kept equal by the pipeline
-                    self.output_layer.weight.canonical_name = WORD_EMBEDDINGS
+                # Tied: a copy of the first stage's embedding, kept equal by the pipeline.
+                declare(self.output_layer, "weight", make_param((spec.local_size(self.ctx.size), cfg.hidden_size),
+                                                                self.ctx),
+                        ParamInfo(spec, "normal", cfg.init_std, vocab_rows=cfg.vocab_size,
+                                  tied_to=WORD_EMBEDDINGS if cfg.tie_embeddings else None))
+        self._table = sharding_table(self)
 
     # ----- names independent of the layout -------------------------------------------------------
     def global_name(self, local_name: str) -> str:
@@ -77,8 +76,13 @@ class LanguageModel(nn.Module):
         return local_name
 
     def named_global_parameters(self):
+        """(global name, parameter): the name does not depend on the layout; a tied copy takes its original's."""
         for name, param in self.named_parameters():
-            yield getattr(param, "canonical_name", self.global_name(name)), param
+            yield self._table[name].tied_to or self.global_name(name), param
+
+    def sharding(self) -> dict[str, ParamInfo]:
+        """This chunk's sharding table by global name (a tied copy under its original's name)."""
+        return {self._table[name].tied_to or self.global_name(name): info for name, info in self._table.items()}
 
     def output_weight(self) -> torch.Tensor:
         if hasattr(self, "output_layer"):
@@ -90,58 +94,67 @@ class LanguageModel(nn.Module):
         """First stage: tokens -> hidden. Middle: hidden -> hidden. Last: -> per-token loss [b, s] (fp32).
 
         ``return_logits`` makes the last stage return full-vocabulary logits [b, s, vocab] instead.
-        Under Domino every part runs per mu-chunk, the embedding and the head included, so their
-        all-reduces overlap the other chunks' compute as the blocks' do.
         """
+        if self.plan.enabled and self.ctx.size > 1:  # with one TP rank there is nothing to overlap
+            return self._forward_domino(input_tensor, batch, return_logits)
+        hidden = input_tensor
+        if self.pre_process:
+            hidden = self._embedding_tail(self.embedding.word_embeddings(batch["tokens"]), batch, slice(None))
+        rotary = self._rotary(batch, hidden.shape[0])
+        for block in self.layers:
+            hidden = block(hidden, rotary, batch.get("attention_mask"))
+        return self._head(hidden, batch, slice(None), return_logits) if self.post_process else hidden
+
+    def _forward_domino(self, input_tensor: torch.Tensor | None, batch: dict, return_logits: bool) -> torch.Tensor:
+        """The same computation per mu-chunk in Domino's order (``domino.order``): the embedding and the head
+        included, so their all-reduces overlap the other chunks' compute as the blocks' do."""
         batch_size = batch["tokens"].shape[0] if self.pre_process else input_tensor.shape[0]
-        asynchronous = self.plan.enabled and self.tp > 1  # with one TP rank there is nothing to overlap
-        rows, columns = self.plan.split_for(batch_size) if asynchronous else (1, 1)
+        rows, columns = self.plan.split_for(batch_size)
         base, extra = divmod(batch_size, rows)  # tensor_split's sizes, computed on the host
         starts = [i * base + min(i, extra) for i in range(rows + 1)]
         slices = [slice(begin, end) for begin, end in zip(starts, starts[1:])]
-        if self.pre_process:
-            chunks = [self._embed(batch, rows_, asynchronous) for rows_ in slices]
-        else:
-            chunks = [input_tensor[rows_] for rows_ in slices]
-        rotary = None
-        if self.cfg.position_embedding == "rope":
-            rotary = rotary_tables(self._position_ids(batch, batch_size), self.inv_freq)
-        mask = batch.get("attention_mask")
+        rotary, mask = self._rotary(batch, batch_size), batch.get("attention_mask")
         contexts = [(None if rotary is None else tuple(t[rows_] for t in rotary),
                      None if mask is None else mask[rows_]) for rows_ in slices]
-        head = None
-        if self.post_process:
-            head = lambda x, i: self._head(x, batch, slices[i], return_logits)  # noqa: E731
-        outputs = run_blocks(self.layers, chunks, contexts, asynchronous=asynchronous, column_pieces=columns,
-                             overlap=self.plan.overlap, head=head)
+        order = forward_order(len(self.layers), rows, self.plan.overlap, self.pre_process, self.post_process)
+        outputs = run_order(order, self.layers, [] if self.pre_process else [input_tensor[r] for r in slices],
+                            contexts, column_pieces=columns,
+                            embed=lambda c: self._embed_async(batch, slices[c]),
+                            head=lambda x, c: self._head(x, batch, slices[c], return_logits),
+                            on_step=self._set_domino_step)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+    def _set_domino_step(self, step) -> None:
+        """Keep ``domino_step``: the Domino step running now (None between forwards), for traces."""
+        self.domino_step = step
+
+    def _rotary(self, batch: dict, batch_size: int):
+        if self.cfg.position_embedding != "rope":
+            return None
+        return rotary_tables(self._position_ids(batch, batch_size), self.inv_freq)
 
     def _head(self, hidden: torch.Tensor, batch: dict, rows: slice, return_logits: bool) -> torch.Tensor:
         hidden = self.final_norm(hidden)
-        logits = column_parallel_linear(hidden, self.output_weight(), None, self.group,
-                                        self.sequence_parallel, self.plan.grad_pieces)
+        logits = column_parallel_linear(hidden, self.output_weight(), None, self.ctx)
         if return_logits:
-            return comm.gather_from_tp(logits, self.group)[..., :self.cfg.vocab_size].float()
-        return vocab_parallel_cross_entropy(logits, batch["labels"][rows], self.cfg.vocab_size, self.group)
+            return comm.gather_from_tp(logits, self.ctx.group)[..., :self.cfg.vocab_size].float()
+        return vocab_parallel_cross_entropy(logits, batch["labels"][rows], self.cfg.vocab_size, self.ctx.group)
 
-    def _embed(self, batch: dict, rows: slice, asynchronous: bool):
-        """This chunk's embeddings; under Domino the all-reduce is left in flight for the schedule to wait on."""
-        tokens = batch["tokens"][rows]
-        embedding = self.embedding.word_embeddings
-        if asynchronous:
-            return _PendingEmbedding(launch_reduce([embedding.partial(tokens)], self.group),
-                                     lambda hidden: self._embedding_tail(hidden, batch, rows))
-        return self._embedding_tail(embedding(tokens), batch, rows)
+    def _embed_async(self, batch: dict, rows: slice):
+        """This chunk's embeddings with the all-reduce left in flight (``finish`` waits and applies the rest)."""
+        partial = self.embedding.word_embeddings.partial(batch["tokens"][rows])
+        return _PendingEmbedding(launch_reduce([partial], self.ctx.group),
+                                 lambda hidden: self._embedding_tail(hidden, batch, rows))
 
     def _embedding_tail(self, hidden: torch.Tensor, batch: dict, rows: slice) -> torch.Tensor:
         """Position embeddings, the sequence-parallel split and dropout, once the token rows are complete."""
         if hasattr(self.embedding, "position_embeddings"):
             positions = self._position_ids(batch, batch["tokens"].shape[0])[rows]
-            hidden = hidden + self.embedding.position_embeddings(positions)
-        if self.sequence_parallel:
-            hidden = comm.scatter_to_sp(hidden, self.group)
+            hidden = hidden + F.embedding(positions, self.embedding.position_embeddings.weight)
+        if self.ctx.sequence_parallel:
+            hidden = comm.scatter_to_sp(hidden, self.ctx.group)
         if self.training and self.cfg.hidden_dropout > 0:
-            if self.sequence_parallel:
+            if self.ctx.sequence_parallel:
                 with get_tracker().fork():
                     hidden = F.dropout(hidden, self.cfg.hidden_dropout)
             else:

@@ -2,7 +2,7 @@
 
 apex's fused kernels are used when importable (CUDA only); otherwise torch's own.
 Under sequence parallelism each TP rank normalises a different slice of the sequence, so the
-norm's parameters are marked ``sequence_parallel`` and their gradients are summed over TP.
+norm's parameters are declared ``sequence_parallel`` and their gradients are summed over TP.
 """
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tensor_parallel.layers import make_param
+from ..config.schema import NORMS
+from ..tensor_parallel import ParamInfo, TPContext, declare, make_param
 
 try:  # optional: NVIDIA apex, never required
     from apex.normalization import FusedLayerNorm as _ApexLayerNorm  # noqa: F401
@@ -20,16 +21,15 @@ except ImportError:
 
 
 class Norm(nn.Module):
-    def __init__(self, kind: str, hidden_size: int, eps: float, *, sequence_parallel: bool = False,
-                 dtype=torch.float32, device=None):
+    def __init__(self, kind: str, hidden_size: int, eps: float, ctx: TPContext):
         super().__init__()
-        if kind not in ("layernorm", "rmsnorm"):
-            raise ValueError(f"model.norm = {kind!r}: must be layernorm or rmsnorm")
+        if kind not in NORMS:
+            raise ValueError(f"model.norm = {kind!r}: must be one of {', '.join(NORMS)}")
         self.kind, self.eps, self.hidden_size = kind, eps, hidden_size
-        self.weight = make_param((hidden_size,), dtype, device, "ones")
-        self.bias = make_param((hidden_size,), dtype, device, "zeros") if kind == "layernorm" else None
-        for param in self.parameters():
-            param.sequence_parallel = sequence_parallel
+        sp = ctx.sequence_parallel
+        declare(self, "weight", make_param((hidden_size,), ctx), ParamInfo(None, "ones", sequence_parallel=sp))
+        declare(self, "bias", make_param((hidden_size,), ctx) if kind == "layernorm" else None,
+                ParamInfo(None, "zeros", sequence_parallel=sp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.float() if self.bias is not None else None

@@ -25,11 +25,10 @@ import torch
 import torch.distributed as dist
 
 from ..config.errors import ConfigError
-from ..config.schema import OptimizerConfig
-from ..models.language_model import WORD_EMBEDDINGS
+from ..config.schema import ZERO_STAGES, OptimizerConfig
 from ..parallel import comm
 from .grad_buffer import Fragment, GradBuffer
-from .grad_norm import counts_once, global_norm, local_squared_norm
+from .grad_norm import global_norm, local_squared_norm
 from .loss_scaler import found_inf_across_ranks, loss_scaler_from_config
 from .param_groups import build_inner_optimizer, weight_decay_groups
 from .sharded_state import gather_checkpoint_state, load_checkpoint_state
@@ -38,15 +37,17 @@ from .sharded_state import gather_checkpoint_state, load_checkpoint_state
 class DistributedOptimizer:
     """See the module docstring. ``norm_groups``: the model-parallel groups (TP, PP) over which squared
     norms and inf flags are summed besides DP; None entries are skipped. ``dp_group`` None means no data
-    parallelism (only without torch.distributed, or with one rank)."""
+    parallelism (only without torch.distributed, or with one rank). ``bucket_alone``: global names of
+    parameters that get a bucket of their own, so their reduced-gradient regions match on every stage that
+    holds a copy (the tied word embedding, summed over the first and last stage)."""
 
     def __init__(self, model_chunks: list[torch.nn.Module], opt: OptimizerConfig, *, dp_group, tp_rank: int,
-                 norm_groups: list, fp16: bool = False, bf16: bool = False):
+                 norm_groups: list, fp16: bool = False, bf16: bool = False, bucket_alone: tuple[str, ...] = ()):
         if fp16 and bf16:
             raise ConfigError("train.fp16 / train.bf16", (fp16, bf16), "at most one precision may be chosen",
                               "set one of them to false")
-        if opt.zero_stage not in (0, 1, 2):
-            raise ConfigError("optimizer.zero_stage", opt.zero_stage, "must be 0, 1 or 2",
+        if opt.zero_stage not in ZERO_STAGES:
+            raise ConfigError("optimizer.zero_stage", opt.zero_stage, f"must be one of {ZERO_STAGES}",
                               "use 1 (sharded optimizer state) or 0 (plain all-reduce)")
         self.opt, self.dp_group, self.tp_rank = opt, dp_group, tp_rank
         self.norm_groups = [group for group in norm_groups if group is not None]
@@ -55,6 +56,9 @@ class DistributedOptimizer:
         self.dp_rank = dist.get_rank(dp_group) if dp > 1 else 0
         self.fp16, self.scaler = fp16, loss_scaler_from_config(opt, fp16)
         self.names = {id(p): name for chunk in model_chunks for name, p in chunk.named_global_parameters()}
+        self.infos = {id(p): table[name] for chunk, table in ((c, c.sharding()) for c in model_chunks)
+                      for name, p in chunk.named_global_parameters()}  # sharding-table rows, for the norm
+        self.bucket_alone = bucket_alone
         self.buffers = self._build_buffers(model_chunks)
         self.fragments: list[Fragment] = [f for buffer in self.buffers for f in buffer.fragments()]
         self.masters = [f.data if f.data.dtype == torch.float32 else f.data.float() for f in self.fragments]
@@ -83,7 +87,7 @@ class DistributedOptimizer:
                 bucket_elems = max(1, int(self.opt.bucket_size_mb * 2**20) // grad_dtype.itemsize)
                 buffers.append(GradBuffer(params[::-1], grad_dtype, bucket_elems, self.dp_group,
                                           shard=self.zero_stage >= 1, release=self.zero_stage == 2,
-                                          alone=lambda p: self.names.get(id(p)) == WORD_EMBEDDINGS))
+                                          alone=lambda p: self.names.get(id(p)) in self.bucket_alone))
         return buffers
 
     # ----- the step's brackets ---------------------------------------------------------------------
@@ -158,7 +162,7 @@ class DistributedOptimizer:
 
     def _grad_norm(self) -> torch.Tensor:
         """L2 norm over TP x PP x DP; shards are summed over DP only when they are disjoint (ZeRO-1/2)."""
-        grads = [f.grad for f in self.fragments if counts_once(f.param, self.tp_rank)]
+        grads = [f.grad for f in self.fragments if self.infos[id(f.param)].counts_once(self.tp_rank)]
         groups = ([self.dp_group] if self.zero_stage > 0 else []) + self.norm_groups
         return global_norm(local_squared_norm(grads).to(self.device), groups)
 

@@ -10,12 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..tensor_parallel.sharding import is_tp_duplicate
-
-
-def counts_once(param: torch.Tensor, tp_rank: int) -> bool:
-    """Whether this rank's copy of ``param`` is the one that counts in global reductions."""
-    return not is_tp_duplicate(param, tp_rank) and not hasattr(param, "canonical_name")
+from ..tensor_parallel.sharding import sharding_table
 
 
 def local_squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -33,8 +28,9 @@ def global_norm(local_squared: torch.Tensor, groups) -> torch.Tensor:
     return total.sqrt()
 
 
-def model_grad_norm(params, tp_rank: int, groups) -> torch.Tensor:
-    """Norm of ``.grad`` over unsharded (non-ZeRO) parameters, each element once."""
-    grads = [p.grad for p in params if p.grad is not None and counts_once(p, tp_rank)]
+def model_grad_norm(model, tp_rank: int, groups) -> torch.Tensor:
+    """Norm of ``.grad`` over an unsharded (non-ZeRO) model's parameters, each element once."""
+    table = sharding_table(model)
+    grads = [p.grad for name, p in model.named_parameters() if p.grad is not None and table[name].counts_once(tp_rank)]
     device = grads[0].device if grads else torch.device("cpu")
     return global_norm(local_squared_norm(grads).to(device), groups)

@@ -29,11 +29,10 @@ import logging
 import math
 
 from ..config.errors import ConfigError, Problem
-from ..config.schema import OptimizerConfig
+from ..config.schema import LR_SCHEDULES, OptimizerConfig
 
 logger = logging.getLogger(__name__)
 
-STYLES = ("constant", "cosine", "linear", "wsd")
 _PARAMETERS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "style", "wsd_decay_fraction")
 
 
@@ -43,7 +42,7 @@ class LRSchedule:
     def __init__(self, max_lr: float, min_lr: float, warmup_steps: int, decay_steps: int,
                  style: str = "cosine", wsd_decay_fraction: float = 0.1):
         _raise_problems([
-            (style in STYLES, "optimizer.lr_schedule", style, f"must be one of {', '.join(STYLES)}",
+            (style in LR_SCHEDULES, "optimizer.lr_schedule", style, f"must be one of {', '.join(LR_SCHEDULES)}",
              "pick one of those names"),
             (max_lr > 0, "optimizer.lr", max_lr, "must be > 0", "set a positive peak learning rate"),
             (0 <= min_lr <= max_lr, "optimizer.min_lr", min_lr, f"must be in [0, optimizer.lr={max_lr}]",
@@ -145,4 +144,4 @@ def _raise_problems(checks: list[tuple]) -> None:
         raise ConfigError.of(problems)
 
 
-__all__ = ["LRSchedule", "STYLES"]
+__all__ = ["LRSchedule"]

@@ -7,36 +7,16 @@ activations are [batch, seq, hidden]).
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
 SEQUENCE_DIM = 1
-_communication_disabled = False
-
-
-@contextlib.contextmanager
-def tp_all_reduces_disabled():
-    """Skip every TP all-reduce (results become wrong): the "no communication" bound of benchmarks only."""
-    global _communication_disabled
-    _communication_disabled = True
-    try:
-        yield
-    finally:
-        _communication_disabled = False
-
-
-def communication_disabled() -> bool:
-    return _communication_disabled
-
-
 def group_size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if group_size(group) > 1 and not _communication_disabled:
+    if group_size(group) > 1:
         x = x.contiguous()
         dist.all_reduce(x, group=group)
     return x
@@ -88,7 +68,7 @@ def reduce_scatter_sequence_async(x: torch.Tensor, group):
         raise ValueError(f"sequence length {x.shape[SEQUENCE_DIM]} is not divisible by tp = {size} "
                          f"(sequence parallelism). Fix: make model.seq_length a multiple of parallel.tp.")
     stacked = torch.cat(x.chunk(size, dim=SEQUENCE_DIM), dim=0)
-    if size == 1 or _communication_disabled:
+    if size == 1:
         rows = x.shape[0]
         rank = dist.get_rank(group) if size > 1 else 0
         return stacked[rank * rows:(rank + 1) * rows], None, None

@@ -12,6 +12,8 @@ import socket
 import torch
 import torch.distributed as dist
 
+from ..config.schema import BACKENDS
+
 
 def _slurm_to_torchrun_env() -> None:
     """Map srun's variables onto torchrun's so one code path serves both launchers."""
@@ -45,7 +47,7 @@ def free_port() -> int:
 def choose_backend(backend: str = "auto") -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("nccl", "gloo"):
+    if backend not in BACKENDS:
         raise ValueError(f"parallel.backend = {backend!r}: must be auto, nccl or gloo. Fix: use auto.")
     return backend
 

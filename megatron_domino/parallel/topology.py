@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import product
 
-AXES = ("tp", "dp", "pp")
+from ..config.schema import AXES
 
 
 @dataclass(frozen=True)

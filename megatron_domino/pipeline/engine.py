@@ -15,14 +15,8 @@ from ..parallel.launch import collective_timeout_s
 from ..parallel.strict import strict_enabled
 from .executor import PipelineExecutor, StageContext
 from .p2p import P2P
-from .schedules import build_schedule
+from .schedules import build_schedule, schedule_kind
 from .strict_transport import StrictP2P
-
-
-def schedule_kind(pp: int, virtual_pp: int) -> str:
-    if pp == 1:
-        return "none"
-    return "interleaved" if virtual_pp > 1 else "1f1b"
 
 
 class PipelineEngine:

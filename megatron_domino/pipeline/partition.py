@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from itertools import accumulate
 
+from ..config.schema import PIPELINE_PARTITIONS
 from .schedules import virtual_stage
 
-METHODS = ("uniform", "parameters")
 
 
 def _counts_to_layers(counts: list[int]) -> list[list[int]]:
@@ -116,8 +116,8 @@ def partition_layers(num_layers: int, pp: int, virtual_pp: int = 1, method: str 
             raise ValueError(f"parallel.pipeline_layout = {layout} fixes the split, so parallel.pipeline_partition "
                              f"= {method!r} cannot also balance it; fix: drop one of the two settings")
         return _counts_to_layers(_check_layout(layout, num_layers, pp, virtual_pp))
-    if method not in METHODS:
-        raise ValueError(f"parallel.pipeline_partition = {method!r} is not one of {', '.join(METHODS)}; "
+    if method not in PIPELINE_PARTITIONS:
+        raise ValueError(f"parallel.pipeline_partition = {method!r} is not one of {', '.join(PIPELINE_PARTITIONS)}; "
                          f"fix: use 'uniform', 'parameters', or set parallel.pipeline_layout")
     if num_layers < stages:
         raise ValueError(f"model.num_layers = {num_layers} cannot fill parallel.pp * parallel.virtual_pp = "

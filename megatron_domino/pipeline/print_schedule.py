@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .schedules import KINDS, build_schedule
+from .schedules import KINDS, build_schedule, schedule_kind
 from .simulate import Costs, ScheduleError, simulate
 from .timeline import render_timeline, summarize
 
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--comm-cost", type=float, default=0.0, help="latency of one p2p transfer")
     parser.add_argument("--ops", action="store_true", help="also print every rank's instruction list")
     args = parser.parse_args(argv)
-    kind = args.kind or ("interleaved" if args.virtual > 1 else "1f1b" if args.pp > 1 else "none")
+    kind = args.kind or schedule_kind(args.pp, args.virtual)
     try:
         schedule = build_schedule(kind, args.pp, args.microbatches, args.virtual)
         result = simulate(schedule, args.microbatches, args.virtual,

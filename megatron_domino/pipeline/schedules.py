@@ -158,6 +158,13 @@ def interleaved_warmup(pp: int, rank: int, num_microbatches: int, virtual_pp: in
     return min((pp - rank - 1) * 2 + (virtual_pp - 1) * pp, total)
 
 
+def schedule_kind(pp: int, virtual_pp: int) -> str:
+    """The schedule a layout runs: "none" without a pipeline, "interleaved" with several chunks per rank, else "1f1b"."""
+    if pp == 1:
+        return "none"
+    return "interleaved" if virtual_pp > 1 else "1f1b"
+
+
 def _validate(kind: str, pp: int, m: int, v: int) -> None:
     if kind not in KINDS:
         raise ValueError(f"pipeline schedule kind {kind!r} is not one of {', '.join(KINDS)}; "

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from ..domino.plan import DominoPlan
 from ..models import LanguageModel, initialize_weights
 from ..models.counters import count_parameters
+from ..tensor_parallel import TPContext
 from .partition import partition_layers, stage_layers
 from .schedules import virtual_stage
 
@@ -33,12 +34,12 @@ def build_stage_chunks(cfg, state, *, dtype=torch.float32, device=None, init_see
     partition = layer_partition(cfg)
     stages = par.pp * par.virtual_pp
     plan = DominoPlan.from_config(par)
+    ctx = TPContext(state.tp_group, par.sequence_parallel, dtype=dtype, device=device)
     chunks = []
     for chunk in range(par.virtual_pp):
         stage = virtual_stage(state.pp_rank, chunk, par.pp)
-        model = LanguageModel(cfg.model, state.tp_group, layer_ids=stage_layers(partition, state.pp_rank, chunk, par.pp),
-                              pre_process=stage == 0, post_process=stage == stages - 1, plan=plan,
-                              sequence_parallel=par.sequence_parallel, dtype=dtype, device=device)
+        model = LanguageModel(cfg.model, ctx, layer_ids=stage_layers(partition, state.pp_rank, chunk, par.pp),
+                              pre_process=stage == 0, post_process=stage == stages - 1, plan=plan)
         if init_seed is not None:
             initialize_weights(model, init_seed, state.tp_rank, state.tp_size)
         chunks.append(model)
@@ -62,13 +63,3 @@ def allreduce_tied_embedding_grads(chunks, state, grad_of) -> None:
         return
     for param in tied_embedding_params(chunks):
         dist.all_reduce(grad_of(param), group=state.embedding_group)
-
-
-def allreduce_sequence_parallel_grads(chunks, state, grad_of) -> None:
-    """Norm weights and row biases see only this rank's slice of the sequence under SP: sum over TP."""
-    if state.tp_size == 1:
-        return
-    for chunk in chunks:
-        for param in chunk.parameters():
-            if getattr(param, "sequence_parallel", False):
-                dist.all_reduce(grad_of(param), group=state.tp_group)

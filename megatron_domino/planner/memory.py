@@ -53,9 +53,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..config.schema import Config, ModelConfig
-from ..models.counters import count_parameters
-from ..pipeline.engine import schedule_kind
-from ..pipeline.schedules import interleaved_warmup, virtual_stage
+from ..models.counters import count_parameters, norm_parameters
+from ..pipeline.schedules import interleaved_warmup, schedule_kind, virtual_stage
 from ..pipeline.stages import layer_partition
 from .hardware import GPU
 
@@ -92,19 +91,11 @@ def weight_bytes(cfg: Config) -> int:
     return 2 if (cfg.train.bf16 or cfg.train.fp16) else 4
 
 
-def num_microbatches(cfg: Config, dp: int) -> int:
-    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
-
-
 # ----- parameters --------------------------------------------------------------------------------
-def _norm_parameters(model: ModelConfig) -> int:
-    return (1 if model.norm == "rmsnorm" else 2) * model.hidden_size  # LayerNorm: weight and bias
-
-
 def layer_parameters(model: ModelConfig, tp: int) -> float:
     """One block's parameters on one TP rank: projections split by tp, norms and row-parallel biases replicated."""
     full = count_parameters(replace(model, num_layers=1)) - count_parameters(replace(model, num_layers=0))
-    replicated = 2 * _norm_parameters(model) + (2 * model.hidden_size if model.bias else 0)
+    replicated = 2 * norm_parameters(model) + (2 * model.hidden_size if model.bias else 0)
     return (full - replicated) / tp + replicated
 
 
@@ -125,7 +116,7 @@ def rank_parameters(cfg: Config) -> list[float]:
                 total += embedding + (model.max_positions * model.hidden_size
                                       if model.position_embedding == "learned" else 0)
             if stage == stages - 1:
-                total += _norm_parameters(model)
+                total += norm_parameters(model)
                 if not (model.tie_embeddings and stages == 1):
                     total += embedding
         totals.append(total)
@@ -140,7 +131,7 @@ def static_bytes(cfg: Config, params: float, dp: int) -> tuple[float, float, flo
     full_grads = params * grad_e
     if zero == 0:
         grads = full_grads
-    elif zero == 1 or num_microbatches(cfg, dp) > 1:
+    elif zero == 1 or cfg.train.num_microbatches(dp) > 1:
         grads = full_grads + full_grads / dp
     else:
         grads = min(full_grads, opt.bucket_size_mb * 2**20) + full_grads / dp
@@ -222,7 +213,7 @@ def loss_transient_bytes(cfg: Config) -> float:
 def in_flight(cfg: Config, dp: int) -> list[int]:
     """Micro-batches (chunk-micro-batches when interleaved) whose activations each pipeline rank holds at its peak."""
     pp, v = cfg.parallel.pp, cfg.parallel.virtual_pp
-    m = num_microbatches(cfg, dp)
+    m = cfg.train.num_microbatches(dp)
     kind = schedule_kind(pp, v)
     if kind == "none":
         return [1]

@@ -14,13 +14,12 @@ from itertools import islice, product
 from typing import Iterable
 
 from ..config.errors import ConfigError
-from ..config.schema import Config
+from ..config.schema import RECOMPUTE, ZERO_STAGES, Config
 from ..config.validate import validate_config
 from .hardware import GPU
 from .memory import StageMemory, estimate_memory
 from .timing import StepTime, TimingAssumptions, estimate_step_time, model_flops_per_step
 
-RECOMPUTE = ("none", "selective", "full")
 MICRO_BATCHES = (1, 2, 4, 8)
 MAX_TP = 64
 
@@ -105,7 +104,7 @@ def candidate_layouts(cfg: Config, world_size: int, only: dict[str, Iterable] | 
                 base = Layout(tp, pp, dp, v, micro, cfg.model.recompute, cfg.optimizer.zero_stage, sp, domino)
                 if not is_valid(cfg, base):
                     continue
-                stages = (0, 1, 2) if dp > 1 else (cfg.optimizer.zero_stage,)  # one DP rank: the stage is moot
+                stages = ZERO_STAGES if dp > 1 else (cfg.optimizer.zero_stage,)  # one DP rank: the stage is moot
                 for recompute, zero in product(RECOMPUTE, stages):
                     if allowed("recompute", recompute) and allowed("zero_stage", zero):
                         found.append(replace(base, recompute=recompute, zero_stage=zero))

@@ -39,7 +39,7 @@ from ..parallel.topology import Topology
 from ..pipeline.schedules import virtual_stage
 from ..pipeline.stages import layer_partition
 from .hardware import GPU
-from .memory import num_microbatches, rank_parameters, weight_bytes
+from .memory import rank_parameters, weight_bytes
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def estimate_step_time(cfg: Config, dp: int, gpu: GPU, gpus_per_node: int,
     """Seconds per step of the layout in ``cfg`` with data-parallel size ``dp`` (see the module docstring)."""
     model, par, train = cfg.model, cfg.parallel, cfg.train
     topology = Topology(par.tp * par.pp * dp, par.tp, par.pp, dp, par.virtual_pp, par.order)
-    e, m = weight_bytes(cfg), num_microbatches(cfg, dp)
+    e, m = weight_bytes(cfg), train.num_microbatches(dp)
     tokens = train.micro_batch_size * model.seq_length
     activation = tokens * model.hidden_size * e
     sp = par.sequence_parallel and par.tp > 1

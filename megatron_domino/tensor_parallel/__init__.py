@@ -2,4 +2,5 @@
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linear, make_param
-from .sharding import ShardSpec, get_shard_spec, is_tp_duplicate, set_shard_spec, shard, unshard
+from .context import TPContext
+from .sharding import ParamInfo, ShardSpec, declare, shard, sharding_table, unshard

@@ -25,7 +25,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             padded_columns = torch.arange(start, end, device=logits.device) >= vocab_size
             logits = logits.masked_fill(padded_columns, float("-inf"))
         local_max = logits.max(dim=-1).values
-        if tp > 1 and not comm.communication_disabled():
+        if tp > 1:
             dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - local_max.unsqueeze(-1)
         outside = (target < start) | (target >= end)
@@ -33,7 +33,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
-        if tp > 1 and not comm.communication_disabled():
+        if tp > 1:
             stacked = torch.stack([target_logit, sum_exp])
             dist.all_reduce(stacked, group=group)
             target_logit, sum_exp = stacked[0], stacked[1]

@@ -7,7 +7,8 @@ from torch import nn
 
 from ..parallel import comm
 from .layers import make_param
-from .sharding import ShardSpec
+from .context import TPContext
+from .sharding import ParamInfo, ShardSpec, declare
 
 
 def vocab_range(padded_vocab: int, tp_rank: int, tp: int) -> tuple[int, int]:
@@ -22,24 +23,22 @@ class VocabParallelEmbedding(nn.Module):
     initialised to zero and are masked out of the loss, so padding never changes the result.
     """
 
-    def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, group, *,
-                 init_std: float = 0.02, dtype=torch.float32, device=None):
+    def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, ctx: TPContext, *,
+                 init_std: float = 0.02):
         super().__init__()
-        self.group, self.tp = group, comm.group_size(group)
-        self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size
-        tp_rank = torch.distributed.get_rank(group) if self.tp > 1 else 0
-        self.start, self.end = vocab_range(padded_vocab_size, tp_rank, self.tp)
+        self.ctx, self.vocab_size, self.padded_vocab_size = ctx, vocab_size, padded_vocab_size
+        self.start, self.end = vocab_range(padded_vocab_size, ctx.rank, ctx.size)
         spec = ShardSpec(0, (padded_vocab_size,))
-        self.weight = make_param((spec.local_size(self.tp), hidden_size), dtype, device, "normal", init_std, spec)
-        self.weight.vocab_rows = vocab_size  # rows past this are padding (zero-initialised)
+        declare(self, "weight", make_param((spec.local_size(ctx.size), hidden_size), ctx),
+                ParamInfo(spec, "normal", init_std, vocab_rows=vocab_size))  # rows past vocab_size: padding
 
     def partial(self, tokens: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the lookup (zeros for tokens of other ranks): sums to the embedding over TP."""
-        if self.tp == 1:
+        if self.ctx.size == 1:
             return F.embedding(tokens, self.weight)
         outside = (tokens < self.start) | (tokens >= self.end)
         local = (tokens - self.start).masked_fill(outside, 0)
         return F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return comm.reduce_from_tp(self.partial(tokens), self.group)
+        return comm.reduce_from_tp(self.partial(tokens), self.ctx.group)

@@ -3,7 +3,7 @@
 A column-parallel layer holds a slice of A's output features; a row-parallel layer holds the
 matching slice of B's input features and produces a partial sum that must be all-reduced
 (or reduce-scattered under sequence parallelism). In Domino mode the layers expose the
-asynchronous variants from ``domino.async_comm``; the block decides when to wait.
+asynchronous variants from ``async_comm``; Domino's order decides when to wait.
 """
 from __future__ import annotations
 
@@ -11,56 +11,53 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..domino.async_comm import PendingReduce, column_linear_async, row_linear_launch
+from .async_comm import PendingReduce, column_linear_async, row_linear_launch
 from ..parallel import comm
-from .sharding import ShardSpec, set_shard_spec
+from .context import TPContext
+from .sharding import ParamInfo, ShardSpec, declare
 
 
-def make_param(shape, dtype, device, init: str, std: float = 0.0, spec: ShardSpec | None = None) -> nn.Parameter:
-    """An uninitialised parameter that remembers how to initialise itself (see models.init)."""
-    param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
-    param.init_kind, param.init_std = init, std
-    set_shard_spec(param, spec)
-    return param
+def make_param(shape, ctx: TPContext) -> nn.Parameter:
+    """An uninitialised parameter on the context's device and dtype (``models.init`` fills it from the
+    sharding table)."""
+    return nn.Parameter(torch.empty(shape, dtype=ctx.dtype, device=ctx.device))
 
 
-def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool = False, grad_pieces: int = 0):
+def column_parallel_linear(x, weight, bias, ctx: TPContext):
     """The column-parallel product with its TP entry: Domino async, SP all-gather, or Megatron's copy."""
-    if grad_pieces > 0:
-        return column_linear_async(x, weight, bias, group, grad_pieces, sequence_parallel)
-    if sequence_parallel:
-        return F.linear(comm.gather_from_sp(x, group), weight, bias)
-    return F.linear(comm.copy_to_tp(x, group), weight, bias)
+    if ctx.grad_pieces > 0:
+        return column_linear_async(x, weight, bias, ctx.group, ctx.grad_pieces, ctx.sequence_parallel)
+    if ctx.sequence_parallel:
+        return F.linear(comm.gather_from_sp(x, ctx.group), weight, bias)
+    return F.linear(comm.copy_to_tp(x, ctx.group), weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
     """Y_local = X A_local^T (+ b_local): this rank computes out_features / tp of the outputs.
 
     ``parts`` lists logically separate output blocks that are split individually (SwiGLU's
-    gate and up). ``grad_pieces`` > 0 selects Domino's asynchronous input-gradient all-reduce
+    gate and up). ``ctx.grad_pieces`` > 0 selects Domino's asynchronous input-gradient all-reduce
     (in that many column pieces); 0 is the synchronous Megatron path.
     """
 
-    def __init__(self, in_features: int, out_features: int, group, *, parts: tuple[int, ...] | None = None,
+    def __init__(self, in_features: int, out_features: int, ctx: TPContext, *, parts: tuple[int, ...] | None = None,
                  bias: bool = True, gather_output: bool = False, skip_bias_add: bool = False,
-                 sequence_parallel: bool = False, grad_pieces: int = 0, init_std: float = 0.02,
-                 dtype=torch.float32, device=None):
+                 init_std: float = 0.02):
         super().__init__()
-        self.group, self.tp = group, comm.group_size(group)
-        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
-        self.sequence_parallel, self.grad_pieces = sequence_parallel, grad_pieces
+        self.ctx, self.gather_output, self.skip_bias_add = ctx, gather_output, skip_bias_add
         spec = ShardSpec(0, tuple(parts) if parts else (out_features,))
         if spec.full_size != out_features:
             raise ValueError(f"parts {parts} must add up to out_features {out_features}")
-        local_out = spec.local_size(self.tp)
-        self.weight = make_param((local_out, in_features), dtype, device, "normal", init_std, spec)
-        self.bias = make_param((local_out,), dtype, device, "zeros", spec=ShardSpec(0, spec.parts)) if bias else None
+        local_out = spec.local_size(ctx.size)
+        declare(self, "weight", make_param((local_out, in_features), ctx), ParamInfo(spec, "normal", init_std))
+        declare(self, "bias", make_param((local_out,), ctx) if bias else None,
+                ParamInfo(ShardSpec(0, spec.parts), "zeros"))
 
     def forward(self, x: torch.Tensor):
         bias = None if self.skip_bias_add else self.bias
-        out = column_parallel_linear(x, self.weight, bias, self.group, self.sequence_parallel, self.grad_pieces)
+        out = column_parallel_linear(x, self.weight, bias, self.ctx)
         if self.gather_output:
-            out = comm.gather_from_tp(out, self.group)
+            out = comm.gather_from_tp(out, self.ctx.group)
         return (out, self.bias) if self.skip_bias_add else out
 
 
@@ -72,26 +69,26 @@ class RowParallelLinear(nn.Module):
     variant: it starts the all-reduce and returns a ``PendingReduce`` to wait on later.
     """
 
-    def __init__(self, in_features: int, out_features: int, group, *, bias: bool = True,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False, init_std: float = 0.02,
-                 dtype=torch.float32, device=None):
+    def __init__(self, in_features: int, out_features: int, ctx: TPContext, *, bias: bool = True,
+                 input_is_parallel: bool = True, init_std: float = 0.02):
         super().__init__()
-        self.group, self.tp = group, comm.group_size(group)
-        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.ctx, self.input_is_parallel = ctx, input_is_parallel
         spec = ShardSpec(1, (in_features,))
-        self.weight = make_param((out_features, spec.local_size(self.tp)), dtype, device, "normal", init_std, spec)
-        self.bias = make_param((out_features,), dtype, device, "zeros") if bias else None
-        if self.bias is not None and sequence_parallel:
-            self.bias.sequence_parallel = True
+        declare(self, "weight", make_param((out_features, spec.local_size(ctx.size)), ctx),
+                ParamInfo(spec, "normal", init_std))
+        # Under SP the bias is added to this rank's slice of the sequence only: its gradient sums over TP.
+        declare(self, "bias", make_param((out_features,), ctx) if bias else None,
+                ParamInfo(None, "zeros", sequence_parallel=ctx.sequence_parallel))
 
     def forward(self, x: torch.Tensor):
+        group = self.ctx.group
         if not self.input_is_parallel:
-            x = comm.scatter_to_tp(x, self.group)
+            x = comm.scatter_to_tp(x, group)
         partial = F.linear(x, self.weight)
-        if self.sequence_parallel:
-            return comm.reduce_scatter_to_sp(partial, self.group), self.bias
-        return comm.reduce_from_tp(partial, self.group), self.bias
+        if self.ctx.sequence_parallel:
+            return comm.reduce_scatter_to_sp(partial, group), self.bias
+        return comm.reduce_from_tp(partial, group), self.bias
 
     def launch(self, x: torch.Tensor, pieces: int = 1) -> tuple[PendingReduce, torch.Tensor | None]:
         """Domino: start the output all-reduce or SP reduce-scatter (in ``pieces`` column pieces); do not wait."""
-        return row_linear_launch(x, self.weight, self.group, pieces, self.sequence_parallel), self.bias
+        return row_linear_launch(x, self.weight, self.ctx.group, pieces, self.ctx.sequence_parallel), self.bias

@@ -1,10 +1,14 @@
 """How a full-size tensor maps onto TP shards, and back.
 
-Each tensor-parallel parameter carries a ``ShardSpec``: the dimension it is split along and
-the logical parts that are split separately (SwiGLU's gate and up projections are two parts of
-one fused weight; each part is cut into tp pieces, and a rank holds its piece of every part).
-One spec serves sharded initialisation (so tp = 1 and tp = 4 start from identical weights),
-checkpoint resharding and HF conversion.
+A ``ShardSpec`` says how a tensor-parallel tensor is split: the dimension and the logical parts that
+are split separately (SwiGLU's gate and up projections are two parts of one fused weight; each part
+is cut into tp pieces, and a rank holds its piece of every part). One spec serves sharded
+initialisation (so tp = 1 and tp = 4 start from identical weights), checkpoint resharding and HF
+conversion.
+
+Each model has a sharding table (``sharding_table``): one ``ParamInfo`` per parameter, declared by
+the layer that creates it, which everything else reads (initialisation, checkpoints, gradient
+norms, the sequence-parallel reduction) instead of attributes on the parameters.
 """
 from __future__ import annotations
 
@@ -33,18 +37,41 @@ class ShardSpec:
         return part // tp
 
 
-def set_shard_spec(param: torch.Tensor, spec: ShardSpec | None) -> None:
-    """Mark a parameter as split (spec) or replicated across TP (None)."""
-    param.shard_spec = spec
+@dataclass(frozen=True)
+class ParamInfo:
+    """One row of a model's sharding table: how a parameter is split, initialised and reduced."""
+
+    spec: ShardSpec | None = None  # split across TP; None: replicated
+    init: str = "normal"  # normal | zeros | ones
+    std: float = 0.0  # of the normal initialisation
+    sequence_parallel: bool = False  # fed a different sequence slice per TP rank: gradients sum over TP
+    vocab_rows: int | None = None  # rows past this are vocabulary padding (zero, never trained)
+    tied_to: str | None = None  # a copy of this global parameter (a tied output head on another stage)
+
+    def counts_once(self, tp_rank: int) -> bool:
+        """Whether this rank's copy counts in global sums (norms): split ones everywhere, replicated ones
+        on TP rank 0, copies of a tied parameter never."""
+        return (self.spec is not None or tp_rank == 0) and self.tied_to is None
 
 
-def get_shard_spec(param: torch.Tensor) -> ShardSpec | None:
-    return getattr(param, "shard_spec", None)
+def declare(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None, info: ParamInfo) -> None:
+    """Register ``param`` on ``module`` with its row of the sharding table (see ``sharding_table``)."""
+    setattr(module, name, param)
+    if param is not None:
+        module.__dict__.setdefault("param_info", {})[name] = info
 
 
-def is_tp_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
-    """True for a replicated parameter on a TP rank other than 0: count it once, not tp times."""
-    return get_shard_spec(param) is None and tp_rank != 0
+def sharding_table(model: torch.nn.Module) -> dict[str, ParamInfo]:
+    """Local parameter name -> ``ParamInfo`` for every parameter of ``model``, from what its layers declared."""
+    table = {}
+    for prefix, module in model.named_modules():
+        for name, info in module.__dict__.get("param_info", {}).items():
+            table[f"{prefix}.{name}" if prefix else name] = info
+    missing = [name for name, _ in model.named_parameters() if name not in table]
+    if missing:
+        raise ValueError(f"parameters {missing[:3]} have no sharding-table row: create them with "
+                         f"tensor_parallel.sharding.declare(module, name, param, ParamInfo(...))")
+    return table
 
 
 def shard(full: torch.Tensor, spec: ShardSpec | None, tp_rank: int, tp: int) -> torch.Tensor:

@@ -5,8 +5,11 @@
 
 The config is loaded and validated for the launched world size before any process group
 exists; a bad setting exits with status 2 and a message naming the key, the value, the rule and
-a fix. A failing rank prints its error once, prefixed with its coordinates, and exits non-zero
-(torchrun and srun --kill-on-bad-exit then stop the others).
+a fix. A run that fails later exits with status 1 (torchrun and srun --kill-on-bad-exit then stop
+the others). A known error (``config.errors.KnownError``: bad config, data or checkpoint; a store
+barrier that timed out) prints one short block, what and where and the fix, from the first rank to
+report it; the other ranks say one line naming that rank. Any other error is a bug and keeps its
+traceback. Either way each failing rank writes its full traceback to ``<log.dir>/error-rank<R>.log``.
 """
 from __future__ import annotations
 
@@ -55,34 +58,99 @@ def main(argv=None, family: str = "GPT") -> int:
         return 2
     if args.print_schedule:
         from ..pipeline.print_schedule import main as print_schedule
-        par, train = cfg.parallel, cfg.train
-        micro = train.global_batch_size // (train.micro_batch_size * (par.dp or world // (par.tp * par.pp)))
-        kind = "none" if par.pp == 1 else "interleaved" if par.virtual_pp > 1 else "1f1b"
-        return print_schedule(["--pp", str(par.pp), "--microbatches", str(micro), "--virtual", str(par.virtual_pp),
-                               "--kind", kind])
+        par = cfg.parallel
+        micro = cfg.train.num_microbatches(par.dp or world // (par.tp * par.pp))
+        return print_schedule(["--pp", str(par.pp), "--microbatches", str(micro), "--virtual", str(par.virtual_pp)])
     from .trainer import run
     try:
         run(cfg, eval_only=args.eval_only)
     except BaseException as error:  # noqa: BLE001 - reported once with coordinates, then a non-zero exit
         if isinstance(error, SystemExit) and not error.code:
             raise
-        _report_failure(error)
+        status = _report_failure(error, cfg.log.dir)
         sys.stderr.flush()
-        os._exit(1)  # never hang in teardown on a dead peer
+        os._exit(status)  # never hang in teardown on a dead peer
     return 0
 
 
 _PEER_FAILURE_HINTS = ("connection closed", "connection reset", "timed out", "broken pipe", "peer")
+_FIRST_REPORT_KEY = "megatron_domino/first_failure"
 
 
-def _report_failure(error: BaseException) -> None:
-    """The failing rank's traceback once, prefixed with its coordinates; ranks that merely lost a peer say one line."""
+def _report_failure(error: BaseException, log_dir: str) -> int:
+    """Print ``error`` for a person and return the exit status. Never raises: an error in the reporter would
+    replace the one it reports, so it falls back to the plain traceback."""
+    try:
+        return _report(error, log_dir)
+    except BaseException:  # noqa: BLE001
+        traceback.print_exception(error)
+        return 1
+
+
+def _report(error: BaseException, log_dir: str) -> int:
+    """Ctrl-C and a lost peer: one line. A bug: its traceback. A known error: the block, from the first rank."""
+    from ..config.errors import KnownError
+    from ..parallel.store_barrier import StoreBarrierTimeout
+    from .signals import INTERRUPTED
+    rank, where = _rank_and_coordinates()
+    if isinstance(error, KeyboardInterrupt):
+        _say(f"[{where}] interrupted (Ctrl-C) outside the training steps: exiting without saving")
+        return INTERRUPTED
+    message = str(error)
+    if isinstance(error, RuntimeError) and any(hint in message.lower() for hint in _PEER_FAILURE_HINTS):
+        _say(f"[{where}] stopped: a peer failed ({type(error).__name__}: {message[:200].splitlines()[0]})")
+        return 1
+    log = _write_traceback(error, os.path.join(log_dir, f"error-rank{rank}.log"))
+    if not isinstance(error, (KnownError, StoreBarrierTimeout)):
+        lines = "".join(traceback.format_exception(error)).rstrip().splitlines() + [f"(also in {log})"]
+        _say("\n".join(f"[{where}] {line}" for line in lines))
+        return 1
+    first = _first_to_report(where)
+    if first != where:
+        _say(f"[{where}] stopped: {first} failed first and reported why ({type(error).__name__} here too; "
+             f"traceback in {log})")
+        return 1
+    lines = message.replace(". Fix: ", ".\nFix: ").splitlines() or [""]
+    _say("\n".join([f"[{where}] {type(error).__name__}: {lines[0]}", *(f"  {line}" for line in lines[1:]),
+                    f"  (full traceback: {log})"]))
+    return 1
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _rank_and_coordinates() -> tuple[int, str]:
+    """This rank and its coordinates ('rank 5 (tp 1, pp 1, dp 0)'), from as far as start-up got."""
+    import torch.distributed as dist
+
     from ..parallel import state
-    where = state.get().coordinates() if state.is_initialized() else f"rank {os.environ.get('RANK', '0')}"
-    message = str(error).lower()
-    if isinstance(error, RuntimeError) and any(hint in message for hint in _PEER_FAILURE_HINTS):
-        print(f"[{where}] stopped: a peer failed ({type(error).__name__}: {str(error).splitlines()[0][:200]})",
-              file=sys.stderr, flush=True)
-        return
-    lines = traceback.format_exc().rstrip().splitlines()
-    print("\n".join(f"[{where}] {line}" for line in lines), file=sys.stderr, flush=True)
+    if state.is_initialized():
+        return state.get().rank, state.get().coordinates()
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return rank, f"rank {rank}"
+
+
+def _write_traceback(error: BaseException, path: str) -> str:
+    """Write the full traceback to ``path``; returns what to tell the reader about where it is."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("".join(traceback.format_exception(error)))
+        return path
+    except OSError as problem:
+        return f"nowhere: {path} could not be written ({problem.strerror})"
+
+
+def _first_to_report(where: str) -> str:
+    """The coordinates of the first rank to report a known error. Ranks often fail together (every rank
+    reads the same bad file), so the first to claim a key in the launcher's store prints the block and the
+    others name it. Without a store (one process, or its host has gone) every rank counts as first."""
+    try:
+        import torch.distributed as dist
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return where
+        store = dist.distributed_c10d._get_default_store()
+        return store.compare_set(_FIRST_REPORT_KEY, "", where).decode()
+    except Exception:  # noqa: BLE001 - no store: report here
+        return where

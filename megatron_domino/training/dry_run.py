@@ -16,9 +16,9 @@ import sys
 from ..config import ConfigError, load_config, validate_config
 from ..config.schema import Config
 from ..parallel.topology import Topology
-from ..pipeline.engine import schedule_kind
+from ..pipeline.schedules import schedule_kind
 from ..planner.hardware import get_gpu
-from ..planner.memory import GIB, estimate_stages, num_microbatches
+from ..planner.memory import GIB, estimate_stages
 
 FULL_MAP_LIMIT = 32  # worlds up to this size print every rank
 SHOWN = 8  # otherwise the first and last SHOWN ranks
@@ -57,7 +57,7 @@ def _schedule(cfg: Config, dp: int, flights: list[int]) -> str:
     par = cfg.parallel
     kind = schedule_kind(par.pp, par.virtual_pp)
     unit = "chunk-micro-batches" if kind == "interleaved" else "micro-batches"
-    return (f"schedule: {kind}, {num_microbatches(cfg, dp)} micro-batches of {cfg.train.micro_batch_size} "
+    return (f"schedule: {kind}, {cfg.train.num_microbatches(dp)} micro-batches of {cfg.train.micro_batch_size} "
             f"per step on each of {dp} data-parallel replicas; {unit} in flight: {flights[0]} on pipeline rank 0, "
             f"{flights[-1]} on the last")
 

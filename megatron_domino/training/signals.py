@@ -1,4 +1,7 @@
-"""Preemption: SIGTERM or SIGUSR1 (slurm's warning before the time limit) asks for a checkpoint and a clean exit.
+"""Preemption: SIGTERM, SIGUSR1 (slurm's warning before the time limit) or SIGINT (Ctrl-C, which torchrun
+forwards to every rank) asks for a checkpoint and a clean exit, so an interrupted run keeps its steps.
+A second Ctrl-C exits at once without saving, for a person who will not wait (checkpoints are written
+whole or not at all, so the last one stays loadable).
 
 The handler only sets a flag. Every rank must learn whether any rank was signalled, and decide at
 the same step, so all of them save the same step together. Asking with a blocking all-reduce and
@@ -10,12 +13,14 @@ decision comes one step after the signal.
 """
 from __future__ import annotations
 
+import os
 import signal
 
 import torch
 import torch.distributed as dist
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+INTERRUPTED = 128 + signal.SIGINT  # the shell's status for a process ended by Ctrl-C
 
 
 class PreemptionHandler:
@@ -30,6 +35,12 @@ class PreemptionHandler:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.received is not None:
+            os.write(2, b"second interrupt: exiting now without saving\n")
+            os._exit(INTERRUPTED)
+        if signum == signal.SIGINT and (not dist.is_initialized() or dist.get_rank() == 0):
+            os.write(2, b"interrupt: saving a checkpoint at the next step boundary, then exiting (Ctrl-C again to "
+                        b"exit now without saving)\n")
         self.received = signum
 
     def should_stop(self) -> bool:
@@ -55,9 +66,12 @@ class PreemptionHandler:
         self._copied.record()
         return self._copied.synchronize
 
-    def close(self) -> None:
-        """Restore the previous handlers. A flag still in flight is left to finish on its own (every rank
-        launched it); waiting for it could hang when a peer has died."""
+    def close(self, finish: bool = True) -> None:
+        """Restore the previous handlers. ``finish`` (training ended normally, on every rank together) waits
+        for the flag still in flight, so no collective outlives the process group; after a failure it is
+        left alone, since waiting could hang when a peer has died."""
+        if finish and self._wait_for_flag is not None:
+            self._wait_for_flag()
         self._wait_for_flag = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)

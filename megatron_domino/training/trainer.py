@@ -13,9 +13,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..config.errors import KnownError
 from ..config.loader import save_config
 from ..data import MicroBatchLoader, build_train_valid_test_datasets
 from ..models.counters import flops_per_token
+from ..models.language_model import WORD_EMBEDDINGS
 from ..optim import LRSchedule
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..parallel import Topology, init_distributed
@@ -24,7 +26,8 @@ from ..parallel.launch import collective_timeout_s
 from ..parallel.random import seed_streams
 from ..parallel.store_barrier import Phase
 from ..pipeline.engine import PipelineEngine
-from ..pipeline.stages import allreduce_sequence_parallel_grads, allreduce_tied_embedding_grads, build_stage_chunks
+from ..pipeline.finalize_grads import finalize_grads
+from ..pipeline.stages import build_stage_chunks
 from .checkpoint import load_checkpoint, load_phase, resolve_load_path, save_checkpoint, save_phase
 from .metrics import MetricsWriter, Timers, device_peak_tflops, format_train_line, memory_gib
 from .signals import PreemptionHandler
@@ -49,9 +52,9 @@ class Trainer:
         self.optimizer = DistributedOptimizer(self.chunks, cfg.optimizer, dp_group=self.state.dp_group,
                                               tp_rank=self.state.tp_rank,
                                               norm_groups=[self.state.tp_group, self.state.pp_group],
-                                              fp16=train.fp16, bf16=train.bf16)
+                                              fp16=train.fp16, bf16=train.bf16, bucket_alone=(WORD_EMBEDDINGS,))
         self.schedule = LRSchedule.from_config(cfg.optimizer, train.steps)
-        self.num_microbatches = train.global_batch_size // (train.micro_batch_size * self.state.dp_size)
+        self.num_microbatches = train.num_microbatches(self.state.dp_size)
         self.engine = PipelineEngine(self.chunks, self.state, cfg, device=self.device, dtype=self.dtype,
                                      num_microbatches=self.num_microbatches,
                                      on_backward=self.optimizer.set_last_microbatch)
@@ -138,13 +141,11 @@ class Trainer:
         self.phase = "forward-backward"
         self.timers.start("forward-backward")
         loss = self.engine.forward_backward(microbatches, self.optimizer.loss_scale)
-        self.phase = "data-parallel gradient reduction"
-        self.optimizer.finish_grad_sync()
+        self.phase = "gradient finalisation (data parallel, tied embeddings, sequence parallel)"
+        finalize_grads(self.chunks, self.state, self.optimizer)
         self.timers.stop("forward-backward")
         self.phase = "optimizer step"
         self.timers.start("optimizer")
-        allreduce_tied_embedding_grads(self.chunks, self.state, self.optimizer.reduced_grad)
-        allreduce_sequence_parallel_grads(self.chunks, self.state, self.optimizer.reduced_grad)
         lr = self.schedule.lr_at(self.step)
         _, grad_norm = self.optimizer.step(lr)
         self.schedule.step()
@@ -212,7 +213,7 @@ class Trainer:
                 self.save()
         finally:
             self._sync_debug(False)
-            preemption.close()
+            preemption.close(finish=sys.exc_info()[0] is None)
 
     def _reads_host(self, step: int, tokens_per_step: int) -> bool:
         """Whether ``step`` logs, evaluates or saves: those read values on the host (sync) by design."""
@@ -246,11 +247,18 @@ class Trainer:
         self.metrics.write({k: v for k, v in record.items() if v is not None},
                            format_train_line(record, self.cfg.train.steps))
 
-    def report_failure(self) -> None:
-        """One line naming what this rank was doing and which peers went silent (a dead peer's coordinates)."""
+    def report_failure(self, error: BaseException) -> None:
+        """One line naming what this rank was doing and which peers went silent (a dead peer's coordinates),
+        for errors that do not say where themselves (a known error's message does). Never raises: the
+        state it describes may be what is broken (a step read from damaged checkpoint metadata)."""
         self.watchdog.close()
-        peers = self.watchdog.describe_silent_peers(wait_s=5 * self.watchdog.interval_s)
-        print(f"[{self.state.coordinates()}] failed while in: {self.describe()}; {peers}", file=sys.stderr, flush=True)
+        if isinstance(error, (KnownError, KeyboardInterrupt)):
+            return
+        try:
+            doing = f"{self.describe()}; {self.watchdog.describe_silent_peers(wait_s=5 * self.watchdog.interval_s)}"
+        except Exception as problem:  # noqa: BLE001
+            doing = f"a state that cannot be described ({type(problem).__name__}: {problem})"
+        print(f"[{self.state.coordinates()}] failed while in: {doing}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         self.watchdog.close()
@@ -265,8 +273,8 @@ def run(cfg, eval_only: bool = False) -> None:
             trainer.evaluate()
         else:
             trainer.train()
-    except BaseException:
-        trainer.report_failure()
+    except BaseException as error:
+        trainer.report_failure(error)
         raise
     if trainer.metrics.enabled:
         print(f"metrics: {trainer.metrics.jsonl_path}"

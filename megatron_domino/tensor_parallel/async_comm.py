@@ -1,4 +1,4 @@
-"""The asynchronous halves of Domino's communication, as named autograd steps.
+"""The asynchronous halves of tensor-parallel communication (what Domino overlaps), as named autograd steps.
 
 Forward: ``launch_reduce`` starts the all-reduce of a row-parallel output and returns at once;
 ``PendingReduce.wait`` is the point where the next computation needs the sum.
@@ -15,8 +15,6 @@ stream wait on an event, without blocking the host. On gloo the reduction runs o
 thread. The same code serves both.
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -46,7 +44,7 @@ class _LaunchReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, pending: PendingReduce, index: int):
-        if comm.group_size(pending.group) > 1 and not comm.communication_disabled():
+        if comm.group_size(pending.group) > 1:
             pending.handles[index] = dist.all_reduce(x, group=pending.group, async_op=True)
         ctx.mark_dirty(x)
         return x
@@ -111,7 +109,7 @@ class PendingInputGradient:
     def launch(self, grad_output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """grad_input = grad_output @ weight, computed and reduced piece by piece along the input features."""
         in_features = weight.shape[1]
-        communicate = comm.group_size(self.group) > 1 and not comm.communication_disabled()
+        communicate = comm.group_size(self.group) > 1
         if self.pieces <= 1 and not self.sequence_parallel:  # one piece, reduced in place
             self.grad = grad_output.matmul(weight)
             handle = dist.all_reduce(self.grad, group=self.group, async_op=True) if communicate else None
@@ -186,49 +184,10 @@ class LinearWithAsyncInputGradient(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None
 
 
-_wait_recorder: list | None = None
-
-
-@contextlib.contextmanager
-def recording_gradient_waits():
-    """Collect the backward wait nodes that column-parallel linears create inside the block."""
-    global _wait_recorder
-    previous, _wait_recorder = _wait_recorder, []
-    try:
-        yield _wait_recorder
-    finally:
-        _wait_recorder = previous
-
-
-def sequence_mark() -> int | None:
-    """The autograd engine's current node sequence number (its backward priority: higher runs first)."""
-    if not torch.is_grad_enabled():
-        return None
-    return torch.zeros((), requires_grad=True).clone().grad_fn._sequence_nr()
-
-
-def defer_waits(wait_nodes: list, sequence_nr: int | None) -> None:
-    """Give wait nodes the backward priority of an earlier point in forward.
-
-    Autograd runs ready nodes latest-created first, so a wait created right before its linear
-    would run right after it. Lowering its sequence number lets the engine run the other
-    mu-chunks' backward while the all-reduce flies; dependencies still force the wait before
-    anything that consumes the gradient.
-    """
-    if sequence_nr is None:
-        return
-    for node in wait_nodes:
-        if hasattr(node, "_set_sequence_nr"):  # a private torch hook; without it the waits are merely earlier
-            node._set_sequence_nr(sequence_nr)
-
-
 def column_linear_async(x, weight, bias, group, pieces: int, sequence_parallel: bool = False):
     """A column-parallel linear whose backward overlaps the input-gradient all-reduce with weight-gradient work."""
     pending = PendingInputGradient(group, pieces, sequence_parallel)
-    waited = WaitForInputGradient.apply(x, pending)
-    if _wait_recorder is not None and waited.grad_fn is not None:
-        _wait_recorder.append(waited.grad_fn)
-    return LinearWithAsyncInputGradient.apply(waited, weight, bias, pending)
+    return LinearWithAsyncInputGradient.apply(WaitForInputGradient.apply(x, pending), weight, bias, pending)
 
 
 def row_linear_launch(x, weight, group, pieces: int, sequence_parallel: bool = False) -> PendingReduce:

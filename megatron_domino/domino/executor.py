@@ -1,0 +1,118 @@
+"""Runs a Domino order (``order.forward_order``) over a stage's blocks: one loop, one step at a time.
+
+Each chunk is either ready (a tensor) or in flight (a launched phase whose all-reduce has not been
+waited for). A ``launch`` step computes a phase from the chunk's ready state and leaves it in
+flight; a ``wait`` step finishes it. The block's own pieces do the work (``phase_hidden``, the
+projection's ``launch``, ``residual``), the same ones its synchronous ``forward`` uses.
+
+Backward mirrors forward: the input-gradient waits that a computation's column-parallel linears
+create are given the autograd priority of the computation ``chunks - 1`` steps earlier, so each
+wait runs after the other chunks' next backward (``order.backward_order`` prints the result).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..tensor_parallel.async_comm import WaitForInputGradient
+from .order import EMBEDDING, HEAD, Step
+
+
+@dataclass
+class InFlight:
+    """A block phase whose projection all-reduce is in flight; ``finish`` waits and adds the residual."""
+
+    block: object
+    pending: object
+    bias: object
+    residual: torch.Tensor
+
+    def finish(self) -> torch.Tensor:
+        return self.block.residual(self.pending.wait(), self.bias, self.residual)
+
+
+def sequence_mark() -> int | None:
+    """The autograd engine's current node sequence number (its backward priority: higher runs first)."""
+    if not torch.is_grad_enabled():
+        return None
+    return torch.zeros((), requires_grad=True).clone().grad_fn._sequence_nr()
+
+
+def defer_waits(wait_nodes: list, sequence_nr: int | None) -> None:
+    """Give wait nodes the backward priority of an earlier point in forward.
+
+    Autograd runs ready nodes latest-created first, so a wait created right before its linear
+    would run right after it. Lowering its sequence number lets the engine run the other
+    mu-chunks' backward while the all-reduce flies; dependencies still force the wait before
+    anything that consumes the gradient.
+    """
+    if sequence_nr is None:
+        return
+    for node in wait_nodes:
+        if hasattr(node, "_set_sequence_nr"):  # a private torch hook; without it the waits are merely earlier
+            node._set_sequence_nr(sequence_nr)
+
+
+def launch_phase(block, phase: str, x: torch.Tensor, rotary, mask, column_pieces: int) -> InFlight:
+    """Compute ``phase`` of ``block`` up to its row-parallel projection and start the projection's all-reduce."""
+    pending, bias = block.projection(phase).launch(block.phase_hidden(phase, x, rotary, mask), column_pieces)
+    return InFlight(block, pending, bias, x)
+
+
+def _gradient_waits(result, since: int | None) -> list:
+    """The input-gradient wait nodes created since sequence number ``since`` in ``result``'s graph."""
+    if since is None:
+        return []
+    roots = [result] if torch.is_tensor(result) else [getattr(result, "pending", None)]
+    frontier = [t.grad_fn for root in roots for t in _tensors(root) if t.grad_fn is not None]
+    found, seen = [], set()
+    while frontier:
+        node = frontier.pop()
+        if node is None or node in seen or not hasattr(node, "_sequence_nr") or node._sequence_nr() < since:
+            continue
+        seen.add(node)
+        if isinstance(node, WaitForInputGradient._backward_cls):
+            found.append(node)
+        frontier += [next_node for next_node, _ in node.next_functions]
+    return found
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    return [p for p in getattr(value, "pieces", []) if torch.is_tensor(p)]
+
+
+def run_order(order: list[Step], blocks, inputs: list, contexts: list[tuple], *, column_pieces: int = 1,
+              embed: Callable | None = None, head: Callable | None = None,
+              on_step: Callable[[Step | None], None] | None = None) -> list[torch.Tensor]:
+    """Execute ``order``; returns each chunk's final state.
+
+    ``inputs[c]``: chunk c's hidden state (unused where the order launches the embedding); ``contexts[c]`` =
+    (rotary, attention_mask); ``embed(c)`` launches chunk c's embedding (something with ``finish()``);
+    ``head(x, c)`` is the output head; ``on_step`` hears each step as it starts (traces), then None.
+    """
+    chunks = len(contexts)
+    state = list(inputs) + [None] * (chunks - len(inputs))
+    marks: list[int | None] = []
+    for step in order:
+        if on_step is not None:
+            on_step(step)
+        c = step.chunk
+        if step.op == "wait":
+            state[c] = state[c].finish()
+            continue
+        marks.append(sequence_mark())
+        if step.phase == EMBEDDING:
+            result = embed(c)
+        elif step.phase == HEAD:
+            result = head(state[c], c)
+        else:
+            result = launch_phase(blocks[step.layer], step.phase, state[c], *contexts[c], column_pieces)
+        defer_waits(_gradient_waits(result, marks[-1]), marks[max(0, len(marks) - chunks)])
+        state[c] = result
+    if on_step is not None:
+        on_step(None)
+    return state

@@ -1,0 +1,37 @@
+"""Print Domino's forward order and the backward it implies, to review an overlap mode without running it.
+
+    python -m megatron_domino.domino.print_schedule --layers 2 --chunks 2 [--overlap intra] [--embedding] [--head]
+
+Notation: ``A1.0>`` launches layer 1's attention for mu-chunk 0 (compute, then start the all-reduce),
+``A1.0`` waits for that all-reduce and finishes the phase; E is the embedding, M the MLP, H the output
+head. In the backward line ``A1.0'`` is that launch's backward and ``~A1.0`` the wait for its input
+gradient's all-reduce.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..config.schema import DOMINO_OVERLAPS
+from .order import forward_order, render
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, required=True, help="blocks on the stage")
+    parser.add_argument("--chunks", type=int, default=2, help="mu-chunks (parallel.domino_chunks)")
+    parser.add_argument("--overlap", choices=DOMINO_OVERLAPS, default="inter", help="parallel.domino_overlap")
+    parser.add_argument("--embedding", action="store_true", help="the stage holds the embedding (first stage)")
+    parser.add_argument("--head", action="store_true", help="the stage holds the output head (last stage)")
+    args = parser.parse_args(argv)
+    try:
+        order = forward_order(args.layers, args.chunks, args.overlap, args.embedding, args.head)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(render(order, args.chunks))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""Where tensor-parallel layers run, as one value passed to every layer's constructor.
+
+The TP group, whether activations are split along the sequence between TP regions (sequence
+parallelism), how Domino reduces input gradients, and the parameters' dtype and device used to
+travel as separate arguments through every model constructor. A ``TPContext`` carries them
+together, explicitly: no layer looks anything up in process-wide state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import comm
+
+
+@dataclass(frozen=True)
+class TPContext:
+    group: object = None  # the TP process group; None: one rank
+    sequence_parallel: bool = False  # normalised: never on with one TP rank
+    grad_pieces: int = 0  # Domino: column pieces of the async input-gradient all-reduce; 0 = synchronous
+    dtype: torch.dtype = torch.float32
+    device: torch.device | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "sequence_parallel", bool(self.sequence_parallel) and self.size > 1)
+
+    @property
+    def size(self) -> int:
+        return comm.group_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group) if self.size > 1 else 0

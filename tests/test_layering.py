@@ -1,0 +1,38 @@
+"""The package's layers hold: no package imports one above it (the contract in .importlinter, README's order)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("importlinter", reason="import-linter comes with the test extra: pip install -e .[test]")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_no_package_imports_one_above_it():
+    lint_imports = "from importlinter.cli import lint_imports_command; lint_imports_command()"  # this interpreter's
+    result = subprocess.run([sys.executable, "-c", lint_imports, "--no-cache", "--no-logo"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    report = (result.stdout + result.stderr).strip()
+    assert result.returncode == 0, (
+        "an import goes against the layer order in .importlinter (README: 'Layout of the code'). Fix: move the "
+        "imported code down to a lower package, or pass the value in from above. 'No matches for ignored "
+        "import' means a listed exception is gone: delete it from .importlinter.\n\n" + report)
+
+
+def test_readme_code_map_shows_the_contract_order():
+    """README's "Layout of the code" lists the packages bottom up in the contract's order, so the two agree."""
+    with open(os.path.join(REPO, ".importlinter"), encoding="utf-8") as f:
+        body = f.read().split("layers =\n", 1)[1]
+    top_down = []
+    for line in body.splitlines():
+        if not line.startswith("    "):
+            break
+        top_down.append(line.strip())
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        code_map = f.read().split("## Layout of the code", 1)[1].split("```")[1]
+    bottom_up = [line.split()[0].rstrip("/").removesuffix(".py") for line in code_map.splitlines()
+                 if line.startswith("  ")]
+    assert bottom_up == top_down[::-1], f"README's code map lists {bottom_up}; .importlinter's layers, " \
+                                        f"bottom up, are {top_down[::-1]}"
