@@ -17,6 +17,6 @@ setup(
         "safetensors",
     ],
     extras_require={
-        "test": ["pytest", "transformers", "tokenizers", "import-linter"],
+        "test": ["pytest", "transformers", "tokenizers", "import-linter", "matplotlib", "wandb"],
     },
 )

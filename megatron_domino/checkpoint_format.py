@@ -11,15 +11,23 @@ Training (``training/checkpoint.py``) writes and reads it across ranks; the offl
 writes it from one process. Both take the format from here, so the two cannot drift apart, and the converter
 needs nothing of the trainer. A step is written into ``.tmp-step_*``, fsynced, renamed into place, and
 ``latest`` is replaced last: a crash at any moment leaves ``latest`` naming a whole checkpoint.
+
+Reading refuses anything damaged with a ``CheckpointError`` naming the file: metadata that breaks its schema
+(types, non-negative counts, a step equal to its folder's), unreadable JSON or safetensors, a missing stage
+file. A damaged step or ``latest`` names the intact steps beside it that can be loaded instead, so nothing
+ever loads silently wrong and no one is left guessing what is still good.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+from contextlib import contextmanager
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
+from .config.errors import CheckpointError
 from .config.loader import config_from_dict
 
 VERSION = 1
@@ -58,16 +66,20 @@ def metadata(step: int, config: dict, layout: dict, *, consumed_samples: int = 0
             "layout": layout, "config": config}
 
 
-def tmp_step_dir(root: str, step: int) -> str:
-    """Where step ``step`` is written before ``publish_step_dir`` renames it to its step_* name."""
-    return os.path.join(root, ".tmp-" + step_dir_name(step))
+TMP_PREFIX = ".tmp-"
 
 
-def start_step_dir(root: str, step: int) -> str:
+def tmp_step_dir(root: str, step: int, run_id: str = "") -> str:
+    """Where step ``step`` is written before ``publish_step_dir`` renames it to its step_* name. ``run_id``
+    makes it unique per run, so that a run never deletes or fills another's."""
+    return os.path.join(root, TMP_PREFIX + step_dir_name(step) + (f"-{run_id}" if run_id else ""))
+
+
+def start_step_dir(root: str, step: int, run_id: str = "") -> str:
     """A fresh, empty ``tmp_step_dir`` (an older one left by a crash is removed)."""
     if os.path.isfile(root):
         raise FileExistsError(f"checkpoint root {root!r} is a file. Fix: give a directory path")
-    tmp = tmp_step_dir(root, step)
+    tmp = tmp_step_dir(root, step, run_id)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     return tmp
@@ -132,21 +144,113 @@ def resolve_load_path(load: str | None, checkpoint_dir: str | None) -> str | Non
     pointer = os.path.join(checkpoint_dir, LATEST)
     if not os.path.exists(pointer):
         return None
-    with open(pointer, encoding="utf-8") as f:
-        return os.path.join(checkpoint_dir, json.load(f)["dir"])
+    try:
+        with open(pointer, encoding="utf-8") as f:
+            name = json.load(f)["dir"]
+        if not isinstance(name, str) or not re.fullmatch(r"step_\d+", name):
+            raise ValueError(f"'dir' is {name!r}, not a step_* name")
+    except (OSError, ValueError, KeyError, TypeError) as problem:
+        raise damaged(pointer, f"{pointer} is unreadable ({type(problem).__name__}: {problem})") from problem
+    path = os.path.join(checkpoint_dir, name)
+    if not os.path.isdir(path):
+        raise damaged(pointer, f"{pointer} names {name}, which does not exist")
+    return path
+
+
+_COUNT = "a non-negative integer"
+_RULES = {"an integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          _COUNT: lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+          "true or false": lambda v: isinstance(v, bool),
+          "an object": lambda v: isinstance(v, dict),
+          "an object or null": lambda v: v is None or isinstance(v, dict)}
+_FIELDS = {"version": "an integer", "step": _COUNT, "consumed_samples": _COUNT, "has_optimizer": "true or false",
+           "lr_schedule": "an object or null", "optimizer": "an object or null", "layout": "an object",
+           "config": "an object"}
+
+
+def _schema_problems(meta, step_dir: str) -> list[str]:
+    """What in ``meta`` breaks metadata.json's schema, one phrase each (none: valid)."""
+    if not isinstance(meta, dict):
+        return ["it is not a JSON object"]
+    problems = [f"'{k}' is missing" if k not in meta else f"{k} = {meta[k]!r} is not {rule}"
+                for k, rule in _FIELDS.items() if k not in meta or not _RULES[rule](meta[k])]
+    if problems:
+        return problems
+    if meta["has_optimizer"] and (meta["optimizer"] is None or meta["lr_schedule"] is None):
+        problems.append("has_optimizer is true but 'optimizer' or 'lr_schedule' is null")
+    if not isinstance(meta["config"].get("model"), dict):
+        problems.append("config.model is not an object")
+    problems += [f"layout.{k} = {meta['layout'].get(k)!r} is not a positive integer" for k in ("tp", "pp")
+                 if not (_RULES[_COUNT](meta["layout"].get(k)) and meta["layout"][k] > 0)]
+    folder = re.fullmatch(r"step_(\d+)", os.path.basename(os.path.normpath(step_dir)))
+    if folder and int(folder.group(1)) != meta["step"]:
+        problems.append(f"step = {meta['step']} differs from its folder's step {int(folder.group(1))}")
+    return problems
+
+
+def _read_metadata(path: str) -> dict:
+    """metadata.json of the step directory ``path``, validated; ValueError/OSError say what is wrong."""
+    meta_path = os.path.join(path, METADATA)
+    if not os.path.exists(meta_path):
+        raise FileNotFoundError(f"{path} has no {METADATA} (checkpoint.load takes a step_* directory or a "
+                                f"checkpoint root with a '{LATEST}' file)")
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except ValueError as problem:
+        raise ValueError(f"{meta_path} is not valid JSON ({problem})") from problem
+    if isinstance(meta, dict) and meta.get("version") != VERSION:
+        raise ValueError(f"{meta_path}: format version {meta.get('version')!r} is not {VERSION}; convert it with "
+                         f"the release that wrote it")
+    problems = _schema_problems(meta, path)
+    if problems:
+        raise ValueError(f"{meta_path} is damaged: " + "; ".join(problems))
+    return meta
 
 
 def read_metadata(path: str) -> dict:
-    meta_path = os.path.join(path, METADATA)
-    if not os.path.exists(meta_path):
-        raise FileNotFoundError(f"checkpoint.load = {path!r}: no {METADATA} there. Fix: point it at a "
-                                f"step_* directory or a checkpoint root with a '{LATEST}' file.")
-    with open(meta_path, encoding="utf-8") as f:
-        meta = json.load(f)
-    if meta.get("version") != VERSION:
-        raise ValueError(f"checkpoint {path}: format version {meta.get('version')} is not {VERSION}. Fix: "
-                         f"convert it with the release that wrote it, or start from another checkpoint")
-    return meta
+    """The validated metadata of step directory ``path``, or a CheckpointError naming the file and what to load
+    instead."""
+    try:
+        return _read_metadata(path)
+    except (OSError, ValueError) as problem:
+        raise damaged(path, str(problem)) from problem
+
+
+def expected_files(meta: dict) -> list[str]:
+    """The stage files a checkpoint with metadata ``meta`` must hold: one per pipeline rank of its layout."""
+    prefixes = ("model", "optim") if meta["has_optimizer"] else ("model",)
+    return [stage_file(prefix, r) for prefix in prefixes for r in range(meta["layout"]["pp"])]
+
+
+def missing_files(step_dir: str, meta: dict) -> list[str]:
+    return [f for f in expected_files(meta) if not os.path.isfile(os.path.join(step_dir, f))]
+
+
+def intact_steps(root: str) -> list[str]:
+    """The step_* directories under ``root`` whose metadata validates and whose stage files are all there, oldest
+    first (the tensors are not read: this is what to suggest, not a guarantee)."""
+    intact = []
+    for name in sorted(d for d in os.listdir(root) if d.startswith("step_")) if os.path.isdir(root) else []:
+        try:
+            if not missing_files(os.path.join(root, name), _read_metadata(os.path.join(root, name))):
+                intact.append(name)
+        except (OSError, ValueError):
+            pass
+    return intact
+
+
+def damaged(entry: str, problem: str) -> CheckpointError:
+    """The error for an unusable ``entry`` of a checkpoint root (a step directory, or ``latest``): the problem,
+    then the intact steps beside it that can be loaded instead."""
+    root, own = os.path.split(os.path.normpath(entry))
+    others = [s for s in intact_steps(root) if s != own]
+    if others:
+        fix = (f"load an intact checkpoint instead, e.g. the newest: checkpoint.load={os.path.join(root, others[-1])} "
+               f"(intact in {root}: {', '.join(others)})")
+    else:
+        fix = "start from another checkpoint (no intact step_* folder beside it), or re-create this one"
+    return CheckpointError(f"checkpoint {problem}. Fix: {fix}")
 
 
 def check_compatible(meta: dict, model_cfg) -> None:
@@ -155,7 +259,7 @@ def check_compatible(meta: dict, model_cfg) -> None:
     differing = [f"model.{k}: checkpoint {getattr(saved, k)!r} vs config {getattr(model_cfg, k)!r}"
                  for k in SHAPE_KEYS if getattr(saved, k) != getattr(model_cfg, k)]
     if differing:
-        raise ValueError("checkpoint is from an incompatible model; differing keys:\n  " + "\n  ".join(differing)
+        raise CheckpointError("checkpoint is from an incompatible model; differing keys:\n  " + "\n  ".join(differing)
                          + "\nFix: load it with the model settings it was saved with.")
 
 
@@ -165,11 +269,21 @@ def stored_files(step_dir: str, prefix: str) -> list[str]:
                   if f.startswith(prefix + "-") and f.endswith(".safetensors"))
 
 
+@contextmanager
+def _opened(file: str):
+    """``safe_open(file)``, whose errors (a truncated or unreadable file) become a CheckpointError naming it."""
+    try:
+        with safe_open(file, framework="pt") as handle:
+            yield handle
+    except (SafetensorError, OSError) as problem:
+        raise damaged(os.path.dirname(file), f"file {file} is unreadable or truncated ({problem})") from problem
+
+
 def tensor_index(step_dir: str, prefix: str) -> dict[str, str]:
     """name -> file for every tensor of '<prefix>-*.safetensors': any layout reads by name, whatever file holds it."""
     index = {}
     for file in stored_files(step_dir, prefix):
-        with safe_open(file, framework="pt") as handle:
+        with _opened(file) as handle:
             index.update(dict.fromkeys(handle.keys(), file))
     return index
 
@@ -181,7 +295,7 @@ def read_tensors(index: dict[str, str], names) -> dict:
         if name in index:
             by_file.setdefault(index[name], []).append(name)
     for file, keys in by_file.items():
-        with safe_open(file, framework="pt") as handle:
+        with _opened(file) as handle:
             for key in keys:
                 out[key] = handle.get_tensor(key)
     return out

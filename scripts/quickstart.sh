@@ -10,3 +10,4 @@ python tools/prepare_quickstart_data.py --output-dir data/quickstart
 export OMP_NUM_THREADS=1  # 8 ranks share the CPU cores
 python -m torch.distributed.run --standalone --nproc-per-node 8 pretrain_gpt.py --config configs/tiny/gpt.yaml \
   parallel.tp=2 parallel.pp=2 parallel.dp=2 parallel.domino=true "$@"
+echo "plot the run: python tools/plot_metrics.py runs/tiny-gpt/metrics.jsonl --output runs/tiny-gpt/metrics.png"

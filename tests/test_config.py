@@ -236,6 +236,14 @@ INVALID = [  # (overrides, world size, offending key)
     (["data.index_build_timeout_s=0"], 1, "data.index_build_timeout_s"),
     (["checkpoint.save_timeout_s=-5"], 1, "checkpoint.save_timeout_s"),
     (["checkpoint.load_timeout_s=0"], 1, "checkpoint.load_timeout_s"),
+    (["train.on_bad_step=ignore"], 1, "train.on_bad_step"),
+    (["train.on_bad_step=skip", "train.spike_factor=0.5"], 1, "train.spike_factor"),
+    (["train.spike_factor=3"], 1, "train.spike_factor"),                  # needs train.on_bad_step
+    (["train.on_bad_step=stop", "train.spike_window=0"], 1, "train.spike_window"),
+    (["log.wandb_project=p", "log.wandb_mode=offlin"], 1, "log.wandb_mode"),
+    (["log.straggler_interval=-1"], 1, "log.straggler_interval"),
+    (["log.profile_steps=[5,2]"], 1, "log.profile_steps"),
+    (["log.profile_steps=[3]"], 1, "log.profile_steps"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""The errors a user can fix: bad settings, bad data files, bad checkpoints.
+"""The errors a user can fix: bad settings, bad data files, bad checkpoints, a launch that cannot start.
 
 They share ``KnownError``, whose message already says what is wrong, where (key, file, rank) and the fix:
 the entry points print such an error as a short block and keep its traceback in a log file, while any
@@ -38,6 +38,10 @@ class DataError(KnownError, ValueError):
 
 class CheckpointError(KnownError, ValueError):
     """A checkpoint that cannot be loaded or saved as asked. The message names the folder or file."""
+
+
+class LaunchError(KnownError, RuntimeError):
+    """A process that cannot start as configured: no CUDA device for NCCL, an unknown backend."""
 
 
 class ConfigError(KnownError, ValueError):

@@ -121,6 +121,11 @@ class TrainConfig:
     eval_interval: int = 0  # 0: no periodic evaluation
     eval_iters: int = 2
     exit_interval: int = 0  # save and exit cleanly once the step count is a multiple of this (0: off)
+    # the bad-step guard (training/guard.py): a non-finite loss or grad norm, or a loss above spike_factor x the
+    # median of the last spike_window steps, is skipped (no update) or stops the run with a checkpoint
+    on_bad_step: Optional[str] = None  # BAD_STEP_ACTIONS; None: off (no per-step host read)
+    spike_factor: Optional[float] = None  # None: no spike check (non-finite values only)
+    spike_window: int = 100
 
     def num_microbatches(self, dp: int) -> int:
         """Micro-batches each DP rank runs per step: global / (micro * dp), the one formula every module uses.
@@ -130,7 +135,10 @@ class TrainConfig:
         return self.global_batch_size // (self.micro_batch_size * dp)
 
 
+BAD_STEP_ACTIONS = ("skip", "stop")
+WANDB_MODES = ("online", "offline")
 OPTIMIZERS = ("adamw", "sgd")
+FREE_SPACE = ("warn", "fail")
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 ZERO_STAGES = (0, 1, 2)
 
@@ -201,6 +209,7 @@ class CheckpointConfig:
     save_at_end: bool = True
     save_timeout_s: float = 3600.0  # budget of a save: the watchdog's limit and each wait for the other ranks
     load_timeout_s: float = 3600.0  # budget of a load, likewise
+    free_space: str = "warn"  # FREE_SPACE: less free space than one checkpoint at start-up warns or fails
 
 
 @dataclass
@@ -213,6 +222,11 @@ class LogConfig:
     timers: bool = False
     peak_tflops: Optional[float] = None  # per device; None: looked up from the device name when known
     sync_debug: bool = False  # CUDA only: a host sync in a steady-state training step raises
+    wandb_project: Optional[str] = None  # None: no wandb (not even imported)
+    wandb_mode: str = "online"  # WANDB_MODES; offline writes under log.dir/wandb, `wandb sync` uploads it
+    straggler_interval: int = 0  # every N steps rank 0 reports the slowest ranks' compute time (0: off)
+    profile_steps: Optional[list] = None  # [start, end]: torch.profiler trace per rank over these steps
+    profile_memory: bool = False  # CUDA only: a memory snapshot over the profile window
 
 
 @dataclass

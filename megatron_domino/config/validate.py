@@ -19,8 +19,10 @@ from .schema import (
     ATTENTION_BACKENDS,
     AXES,
     BACKENDS,
+    BAD_STEP_ACTIONS,
     DOMINO_OVERLAPS,
     DOMINO_SPLITS,
+    FREE_SPACE,
     LR_SCHEDULES,
     NORMS,
     OPTIMIZERS,
@@ -28,6 +30,7 @@ from .schema import (
     POSITION_EMBEDDINGS,
     RECOMPUTE,
     TOKENIZERS,
+    WANDB_MODES,
     ZERO_STAGES,
     Config,
 )
@@ -332,6 +335,7 @@ def _check_files(c: _Checks, cfg: Config, check_paths: bool) -> None:
     c.at_least("checkpoint.keep", ck.keep, 0)
     c.positive("checkpoint.save_timeout_s", ck.save_timeout_s)
     c.positive("checkpoint.load_timeout_s", ck.load_timeout_s)
+    c.one_of("checkpoint.free_space", ck.free_space, FREE_SPACE)
     if ck.interval > 0 and ck.dir is None:
         c.fail("checkpoint.interval", ck.interval, "saving every N steps needs checkpoint.dir",
                "set checkpoint.dir=PATH")
@@ -339,6 +343,28 @@ def _check_files(c: _Checks, cfg: Config, check_paths: bool) -> None:
     c.positive("log.peak_tflops", log.peak_tflops, optional=True)
     if not log.dir:
         c.fail("log.dir", log.dir, "must name a directory", "set log.dir=runs/NAME")
+
+
+def _check_operations(c: _Checks, cfg: Config) -> None:
+    """The long-run tools: bad-step guard, wandb, straggler report, profiler window."""
+    t, log = cfg.train, cfg.log
+    if t.on_bad_step is not None:
+        c.one_of("train.on_bad_step", t.on_bad_step, BAD_STEP_ACTIONS)
+    if t.spike_factor is not None:
+        if not t.spike_factor > 1:
+            c.fail("train.spike_factor", t.spike_factor, "must be above 1 (a loss this many times the running "
+                   "median is a spike)", "use e.g. train.spike_factor=3, or null to turn the spike check off")
+        elif t.on_bad_step is None:
+            c.fail("train.spike_factor", t.spike_factor, "needs train.on_bad_step to say what a spike does",
+                   "set train.on_bad_step=skip or train.on_bad_step=stop")
+    c.positive("train.spike_window", t.spike_window)
+    c.one_of("log.wandb_mode", log.wandb_mode, WANDB_MODES)
+    c.at_least("log.straggler_interval", log.straggler_interval, 0)
+    window = log.profile_steps
+    if window is not None and not (isinstance(window, list) and len(window) == 2
+                                   and all(isinstance(s, int) for s in window) and 1 <= window[0] <= window[1]):
+        c.fail("log.profile_steps", window, "must be [start, end], whole steps with 1 <= start <= end",
+               "e.g. log.profile_steps=[10,12], or null for no trace")
 
 
 def validate_config(cfg: Config, world_size: int | None = None, check_paths: bool = True) -> list[str]:
@@ -355,6 +381,7 @@ def validate_config(cfg: Config, world_size: int | None = None, check_paths: boo
     _check_optimizer(c, cfg)
     _check_data(c, cfg, check_paths)
     _check_files(c, cfg, check_paths)
+    _check_operations(c, cfg)
     if c.problems:
         raise ConfigError.of(c.problems)
     return c.warnings

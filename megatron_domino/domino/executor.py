@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.profiler import record_function
 
 from ..tensor_parallel.async_comm import WaitForInputGradient
 from .order import EMBEDDING, HEAD, Step
@@ -100,19 +101,20 @@ def run_order(order: list[Step], blocks, inputs: list, contexts: list[tuple], *,
     for step in order:
         if on_step is not None:
             on_step(step)
-        c = step.chunk
-        if step.op == "wait":
-            state[c] = state[c].finish()
-            continue
-        marks.append(sequence_mark())
-        if step.phase == EMBEDDING:
-            result = embed(c)
-        elif step.phase == HEAD:
-            result = head(state[c], c)
-        else:
-            result = launch_phase(blocks[step.layer], step.phase, state[c], *contexts[c], column_pieces)
-        defer_waits(_gradient_waits(result, marks[-1]), marks[max(0, len(marks) - chunks)])
-        state[c] = result
+        with record_function(f"domino {step.trace_name()}"):  # a named range per step in profiles
+            c = step.chunk
+            if step.op == "wait":
+                state[c] = state[c].finish()
+                continue
+            marks.append(sequence_mark())
+            if step.phase == EMBEDDING:
+                result = embed(c)
+            elif step.phase == HEAD:
+                result = head(state[c], c)
+            else:
+                result = launch_phase(blocks[step.layer], step.phase, state[c], *contexts[c], column_pieces)
+            defer_waits(_gradient_waits(result, marks[-1]), marks[max(0, len(marks) - chunks)])
+            state[c] = result
     if on_step is not None:
         on_step(None)
     return state

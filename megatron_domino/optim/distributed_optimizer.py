@@ -130,11 +130,13 @@ class DistributedOptimizer:
         return fragment.grad if fragment is not None else self._buffer_of[id(param)].reduced_data[:0]
 
     # ----- the update ------------------------------------------------------------------------------
-    def step(self, lr: float) -> tuple[bool, torch.Tensor | None]:
+    def step(self, lr: float, accept=None) -> tuple[bool, torch.Tensor | None]:
         """Clip and update; returns (stepped, grad norm as a 0-dim device tensor, read it only to log).
 
         Only fp16 waits for the device here: skipping an overflowed step needs the flag on the host.
-        Clipping multiplies by min(1, clip / norm) on the device.
+        Clipping multiplies by min(1, clip / norm) on the device. ``accept(norm, local_squared)``, when
+        given, sees the global norm and this rank's share of it before anything changes; False drops
+        the update (the trainer's bad-step guard; it must answer alike on every rank).
         """
         reduced = [buffer.reduced_data for buffer in self.buffers]
         if self.fp16:
@@ -142,7 +144,10 @@ class DistributedOptimizer:
             self.scaler.update(found_inf)
             if found_inf:
                 return False, None
-        norm = self._grad_norm()
+        local_squared = self._local_squared_norm()
+        norm = global_norm(local_squared, ([self.dp_group] if self.zero_stage > 0 else []) + self.norm_groups)
+        if accept is not None and not accept(norm, local_squared):
+            return False, norm
         if self.opt.clip_grad > 0:
             torch._foreach_mul_(reduced, (self.opt.clip_grad / (norm + 1e-6)).clamp(max=1.0))
         if self.optimizer is not None:
@@ -160,11 +165,11 @@ class DistributedOptimizer:
             found = bool(global_norm(flag, self.norm_groups).item() > 0)
         return found
 
-    def _grad_norm(self) -> torch.Tensor:
-        """L2 norm over TP x PP x DP; shards are summed over DP only when they are disjoint (ZeRO-1/2)."""
+    def _local_squared_norm(self) -> torch.Tensor:
+        """This rank's share of the squared L2 norm; summed over TP x PP, and over DP only when the shards
+        are disjoint (ZeRO-1/2), it gives the global norm."""
         grads = [f.grad for f in self.fragments if self.infos[id(f.param)].counts_once(self.tp_rank)]
-        groups = ([self.dp_group] if self.zero_stage > 0 else []) + self.norm_groups
-        return global_norm(local_squared_norm(grads).to(self.device), groups)
+        return local_squared_norm(grads).to(self.device)
 
     def _update(self, lr: float) -> None:
         for master, fragment in zip(self.masters, self.fragments):

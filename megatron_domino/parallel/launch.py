@@ -1,7 +1,8 @@
 """Starting the default process group from torchrun, slurm's srun, or a bare single process.
 
 The backend and device are chosen here and nowhere else: NCCL + CUDA when CUDA is available,
-gloo + CPU otherwise, overridable. Everything downstream only asks for ``device``.
+gloo + CPU otherwise, overridable. Everything downstream only asks for ``device``. A launch that cannot
+start as configured raises ``LaunchError``, which the entry points print as one short block.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import socket
 import torch
 import torch.distributed as dist
 
+from ..config.errors import LaunchError
 from ..config.schema import BACKENDS
 
 
@@ -48,7 +50,7 @@ def choose_backend(backend: str = "auto") -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in BACKENDS:
-        raise ValueError(f"parallel.backend = {backend!r}: must be auto, nccl or gloo. Fix: use auto.")
+        raise LaunchError(f"parallel.backend = {backend!r}: must be auto, nccl or gloo. Fix: use auto.")
     return backend
 
 
@@ -62,7 +64,7 @@ def device_for(backend: str) -> torch.device:
         return torch.device("cpu")
     visible = torch.cuda.device_count()
     if visible == 0:
-        raise RuntimeError(f"parallel.backend = nccl but this process sees no CUDA device (CUDA_VISIBLE_DEVICES="
+        raise LaunchError(f"parallel.backend = nccl but this process sees no CUDA device (CUDA_VISIBLE_DEVICES="
                            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). Fix: request GPUs for every task "
                            f"(e.g. srun --gpus-per-task=1), or use parallel.backend=gloo on CPUs.")
     index = int(os.environ.get("LOCAL_RANK", "0")) % visible

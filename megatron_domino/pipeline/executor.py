@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 from torch.autograd import Variable
+from torch.profiler import record_function
 
 from .p2p import ACTIVATION, GRADIENT, P2P, Transfer
 from .schedules import Instruction, TransferGroup, virtual_stage
@@ -67,21 +68,22 @@ class PipelineExecutor:
         self.length = len(schedule)
         for self.position, step in enumerate(schedule):
             self.current = step
-            if isinstance(step, TransferGroup):
-                self._exchange(step)
-                continue
-            key = (step.chunk, step.microbatch)
-            if step.op == "forward":
-                self._outputs[key] = self._forward(step, self._inputs.get(key), microbatches, losses)
-                if self._forward_only:
-                    self._inputs.pop(key, None)
-            else:
-                if self.on_backward is not None:
-                    self.on_backward(step.microbatch == last_backward[step.chunk])
-                _backward(self._outputs.pop(key), self._grads_in.pop(key, None))
-                source = self._inputs.pop(key, None)
-                if source is not None and self._stage_of(step.chunk) > 0:
-                    self._grads_out[key] = source.grad
+            with record_function(f"pipeline {step}"):  # a named range per instruction in profiles
+                if isinstance(step, TransferGroup):
+                    self._exchange(step)
+                    continue
+                key = (step.chunk, step.microbatch)
+                if step.op == "forward":
+                    self._outputs[key] = self._forward(step, self._inputs.get(key), microbatches, losses)
+                    if self._forward_only:
+                        self._inputs.pop(key, None)
+                else:
+                    if self.on_backward is not None:
+                        self.on_backward(step.microbatch == last_backward[step.chunk])
+                    _backward(self._outputs.pop(key), self._grads_in.pop(key, None))
+                    source = self._inputs.pop(key, None)
+                    if source is not None and self._stage_of(step.chunk) > 0:
+                        self._grads_out[key] = source.grad
         self.current = None
         self.p2p.drain()
         self._outputs.clear()

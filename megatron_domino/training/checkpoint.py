@@ -46,15 +46,16 @@ def _optimizer_tensors(chunks, optimizer, state) -> tuple[dict[str, torch.Tensor
 
 
 def save_checkpoint(root: str, step: int, *, chunks, optimizer, schedule, consumed_samples: int, cfg, state,
-                    keep: int, phase: Phase | None = None) -> str:
+                    keep: int, phase: Phase | None = None, run_id: str = "") -> str:
     """Write a checkpoint of ``step`` under ``root`` (collective over every rank); returns its directory.
 
     ``phase`` (default ``save_phase(cfg)``) receives the progress; pass the one the watchdog watches.
+    ``run_id`` (the same on every rank) makes the temporary directory this run's own.
     """
     phase = phase or save_phase(cfg)
-    tmp = fmt.tmp_step_dir(root, step)
+    tmp = fmt.tmp_step_dir(root, step, run_id)
     if state.rank == 0:
-        os.makedirs(os.path.join(fmt.start_step_dir(root, step), "rng"))
+        os.makedirs(os.path.join(fmt.start_step_dir(root, step, run_id), "rng"))
     phase.barrier("temporary directory created")
     phase.progress("gathering the model and optimizer state")
     model = {}
@@ -95,9 +96,14 @@ def load_checkpoint(path: str, *, chunks, optimizer, schedule, cfg, state, phase
     phase = phase or load_phase(cfg)
     metadata = fmt.read_metadata(path)
     fmt.check_compatible(metadata, cfg.model)
+    missing_files = fmt.missing_files(path, metadata)
+    if missing_files:
+        raise fmt.damaged(path, f"{path} lacks {', '.join(missing_files)} (saved at pp = "
+                                f"{metadata['layout']['pp']}, it holds one file per pipeline stage)")
     phase.progress("reading the model weights")
     index = fmt.tensor_index(path, "model")
     names = {n for chunk in chunks for n, _ in chunk.named_global_parameters()}
+    _refuse_missing(path, "model", sorted(names - index.keys()))
     weights = fmt.read_tensors(index, names)
     for chunk in chunks:
         load_full_state_dict(chunk, weights, state.tp_rank, state.tp_size)
@@ -112,6 +118,14 @@ def load_checkpoint(path: str, *, chunks, optimizer, schedule, cfg, state, phase
     return metadata
 
 
+def _refuse_missing(path: str, prefix: str, missing: list[str]) -> None:
+    """A checkpoint whose '<prefix>-*' files lack parameters this model needs is refused, naming its files."""
+    if missing:
+        files = ", ".join(os.path.basename(f) for f in fmt.stored_files(path, prefix)) or "none"
+        raise fmt.damaged(path, f"{path} lacks the {prefix} tensors of {len(missing)} parameters this model needs, "
+                                f"e.g. {missing[:3]} (its {prefix} files: {files})")
+
+
 def _load_optimizer(path: str, chunks, optimizer, metadata: dict, state) -> None:
     index = fmt.tensor_index(path, "optim")
     params = {name: info for chunk in chunks for name, info in chunk.sharding().items()}
@@ -120,8 +134,5 @@ def _load_optimizer(path: str, chunks, optimizer, metadata: dict, state) -> None
     for key, full in stored.items():
         name, field = key.split("/", 1)
         per_param.setdefault(name, {})[field] = shard_full(full, params[name], state.tp_rank, state.tp_size)
-    missing = sorted(set(params) - set(per_param))
-    if missing:
-        raise KeyError(f"checkpoint {path} has no optimizer state for {missing[:3]} ... Fix: load with "
-                       f"optimizer state from a full training checkpoint, or start the optimizer fresh.")
+    _refuse_missing(path, "optim", sorted(set(params) - set(per_param)))
     optimizer.load_state_dict_from_checkpoint({"params": per_param, **metadata["optimizer"]})

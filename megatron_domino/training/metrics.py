@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from ..config.errors import ConfigError
+
 # Dense bf16 peak TFLOP/s per device, by a substring of torch.cuda.get_device_name().
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
 
@@ -62,9 +64,12 @@ class Timers:
 
 
 class MetricsWriter:
-    def __init__(self, log_dir: str, enabled: bool, tensorboard: bool):
+    """JSONL always; TensorBoard and wandb when asked. Their packages are imported only then, so a run
+    without them never pays for (or needs) them. ``wandb``: (project, mode, run config as a dict)."""
+
+    def __init__(self, log_dir: str, enabled: bool, tensorboard: bool, wandb: tuple | None = None):
         self.enabled, self.log_dir = enabled, log_dir
-        self._jsonl, self._tensorboard = None, None
+        self._jsonl, self._tensorboard, self._wandb = None, None, None
         if not enabled:
             return
         os.makedirs(log_dir, exist_ok=True)
@@ -72,6 +77,8 @@ class MetricsWriter:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self._tensorboard = SummaryWriter(os.path.join(log_dir, "tensorboard"))
+        if wandb is not None:
+            self._wandb = _start_wandb(log_dir, *wandb)
 
     @property
     def jsonl_path(self) -> str:
@@ -88,6 +95,10 @@ class MetricsWriter:
                 if isinstance(value, (int, float)) and key != "step":
                     self._tensorboard.add_scalar(f"{prefix}/{key}", value, record["step"])
             self._tensorboard.flush()
+        if self._wandb is not None:
+            prefix = record.get("split", "train")
+            self._wandb.log({f"{prefix}/{k}": v for k, v in record.items()
+                             if isinstance(v, (int, float)) and k not in ("step", "split")}, step=record["step"])
         if console:
             print(console, flush=True)
 
@@ -96,6 +107,20 @@ class MetricsWriter:
             self._jsonl.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _start_wandb(log_dir: str, project: str, mode: str, run_config: dict):
+    """One wandb run per training run, named after log.dir; offline mode writes under log.dir/wandb and
+    needs no network (upload later with `wandb sync`)."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("log.wandb_project", project, "needs the wandb package, which is not installed",
+                          "pip install wandb, or set log.wandb_project=null") from None
+    return wandb.init(project=project, mode=mode, dir=log_dir, name=os.path.basename(os.path.normpath(log_dir)),
+                      config=run_config)
 
 
 def format_train_line(r: dict, total_steps: int) -> str:

@@ -12,9 +12,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from ..config.errors import KnownError
-from ..config.loader import save_config
+from ..config.loader import config_to_dict, save_config
 from ..data import MicroBatchLoader, build_train_valid_test_datasets
 from ..models.counters import flops_per_token
 from ..models.language_model import WORD_EMBEDDINGS
@@ -29,8 +30,12 @@ from ..pipeline.engine import PipelineEngine
 from ..pipeline.finalize_grads import finalize_grads
 from ..pipeline.stages import build_stage_chunks
 from .checkpoint import load_checkpoint, load_phase, resolve_load_path, save_checkpoint, save_phase
+from .checkpoint_dir import prepare_run_dirs
+from .guard import BadStepGuard
 from .metrics import MetricsWriter, Timers, device_peak_tflops, format_train_line, memory_gib
+from .profiling import ProfileWindow
 from .signals import PreemptionHandler
+from .straggler import StragglerReport
 from .watchdog import Watchdog
 
 
@@ -39,13 +44,25 @@ def param_dtype(train) -> torch.dtype:
 
 
 class Trainer:
-    def __init__(self, cfg):
+    def __init__(self, cfg, writes_checkpoints: bool = True):
+        """``writes_checkpoints`` False (evaluation) leaves checkpoint.dir alone: no lock, no checks."""
         self.cfg = cfg
-        par, train = cfg.parallel, cfg.train
+        par = cfg.parallel
         self.device = init_distributed(par.backend, collective_timeout_s(par))
         topology = Topology(dist.get_world_size(), par.tp, par.pp, par.dp, par.virtual_pp, par.order)
         self.state = parallel_state.initialize(topology, self.device, collective_timeout_s(par),
                                                 strict=par.strict_transport)
+        # before any model or index is built: an unusable folder fails in seconds, not at the first save
+        self.run_id, self.dir_lock = prepare_run_dirs(cfg, self.state.rank, writes_checkpoints)
+        try:
+            self._build()
+        except BaseException:
+            self.release_checkpoint_dir()
+            raise
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        par, train = cfg.parallel, cfg.train
         seed_streams(train.seed, self.state.tp_rank, self.state.pp_rank, self.device)
         self.dtype = param_dtype(train)
         self.chunks = build_stage_chunks(cfg, self.state, dtype=self.dtype, device=self.device, init_seed=train.seed)
@@ -61,8 +78,15 @@ class Trainer:
         self.step, self.phase = 0, "start-up"
         self.watchdog = Watchdog(self.state, par.timeout_s, self.describe)
         writer = self.engine.holds_loss and self.state.tp_rank == 0 and self.state.dp_rank == 0
-        self.metrics = MetricsWriter(cfg.log.dir, writer, cfg.log.tensorboard)
+        wandb = (cfg.log.wandb_project, cfg.log.wandb_mode, config_to_dict(cfg)) if cfg.log.wandb_project else None
+        self.metrics = MetricsWriter(cfg.log.dir, writer, cfg.log.tensorboard, wandb)
         self.timers = Timers(self.device, synchronize=cfg.log.timers)
+        self.guard = (BadStepGuard(train.on_bad_step, train.spike_factor, train.spike_window, self.state.rank,
+                                   self.state.topology.world_size) if train.on_bad_step else None)
+        self.profile = (ProfileWindow(cfg.log.profile_steps, cfg.log.dir, self.state.rank, self.device,
+                                      cfg.log.profile_memory) if cfg.log.profile_steps else None)
+        self.stragglers = (StragglerReport(self.state, cfg.log.straggler_interval, self.device, cfg.log.dir)
+                           if cfg.log.straggler_interval else None)
         self._build_data()
         if self.state.rank == 0:
             save_config(cfg, os.path.join(cfg.log.dir, "config.yaml"))
@@ -124,8 +148,14 @@ class Trainer:
         with self.watchdog.watching(save_phase(self.cfg)) as phase:
             path = save_checkpoint(ckpt.dir, self.step, chunks=self.chunks, optimizer=self.optimizer,
                                    schedule=self.schedule, consumed_samples=self._consumed, cfg=self.cfg,
-                                   state=self.state, keep=ckpt.keep, phase=phase)
+                                   state=self.state, keep=ckpt.keep, phase=phase, run_id=self.run_id)
         self._log_once(f"saved checkpoint {path}")
+
+    def release_checkpoint_dir(self) -> None:
+        """Let another run use checkpoint.dir (rank 0 holds its lock)."""
+        if self.dir_lock is not None:
+            self.dir_lock.release()
+            self.dir_lock = None
 
     def _log_once(self, message: str) -> None:
         if self.state.rank == 0:
@@ -135,25 +165,34 @@ class Trainer:
     def train_step(self) -> dict:
         self.phase = "data"
         self.timers.start("data")
-        microbatches = self._next_microbatches(self.train_loader)
+        with record_function("data loading"):
+            microbatches = self._next_microbatches(self.train_loader)
         self.timers.stop("data")
         self.optimizer.zero_grad()
         self.phase = "forward-backward"
         self.timers.start("forward-backward")
+        if self.stragglers is not None:
+            self.stragglers.start(self.step + 1)
         loss = self.engine.forward_backward(microbatches, self.optimizer.loss_scale)
+        if self.stragglers is not None:
+            self.stragglers.finish(self.step + 1)
         self.phase = "gradient finalisation (data parallel, tied embeddings, sequence parallel)"
         finalize_grads(self.chunks, self.state, self.optimizer)
         self.timers.stop("forward-backward")
         self.phase = "optimizer step"
         self.timers.start("optimizer")
         lr = self.schedule.lr_at(self.step)
-        _, grad_norm = self.optimizer.step(lr)
-        self.schedule.step()
+        with record_function("optimizer step"):
+            _, grad_norm = self.optimizer.step(lr, self.guard.judge(self.step + 1, loss) if self.guard else None)
         self.timers.stop("optimizer")
+        if self.guard is not None and self.guard.problem and self.guard.action == "stop":
+            return {"bad_step": self.guard.problem}  # the step is not counted: state stays at the last good one
+        self.schedule.step()
         self.step += 1
         self._consumed += self.cfg.train.global_batch_size
         self.phase = "logging"
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm}
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm,
+                "bad_step": self.guard.problem if self.guard is not None else None}
 
     def evaluate(self) -> dict:
         if not self.has_validation:
@@ -186,7 +225,13 @@ class Trainer:
         try:
             while not self._should_exit(self.step * tokens_per_step):
                 self._sync_debug(self.step - first_step >= 2 and not self._reads_host(self.step + 1, tokens_per_step))
+                if self.profile is not None:
+                    self.profile.before_step(self.step + 1)
                 result = self.train_step()
+                if self.profile is not None:
+                    self.profile.after_step(self.step)
+                if result["bad_step"]:
+                    self._report_bad_step(result["bad_step"])
                 window_steps += 1
                 if self.step % cfg.log.interval == 0 or self.step == train.steps:
                     if self.device.type == "cuda":  # the window's time must include its queued GPU work
@@ -213,12 +258,28 @@ class Trainer:
                 self.save()
         finally:
             self._sync_debug(False)
+            if self.profile is not None:
+                self.profile.close()
             preemption.close(finish=sys.exc_info()[0] is None)
 
+    def _report_bad_step(self, problem: str) -> None:
+        """Every rank knows the bad step; the metrics rank records it (JSONL and console), and under
+        train.on_bad_step=stop every rank saves the last good step and stops."""
+        step = self.step + (self.guard.action == "stop")  # a stopped step was not counted
+        self.metrics.write({"step": step, "split": "bad_step", "problem": problem, "action": self.guard.action},
+                           f"{problem}: {self.guard.action}")
+        if self.guard.action == "stop":
+            self.save()
+            raise self.guard.stop_error(saved=bool(self.cfg.checkpoint.dir))
+
     def _reads_host(self, step: int, tokens_per_step: int) -> bool:
-        """Whether ``step`` logs, evaluates or saves: those read values on the host (sync) by design."""
+        """Whether ``step`` logs, evaluates or saves: those read values on the host (sync) by design. So does
+        every step under the bad-step guard (two scalars per step)."""
         cfg, train = self.cfg, self.cfg.train
-        periodic = (cfg.log.interval, train.eval_interval, cfg.checkpoint.interval, train.exit_interval)
+        if self.guard is not None:
+            return True
+        periodic = (cfg.log.interval, train.eval_interval, cfg.checkpoint.interval, train.exit_interval,
+                    cfg.log.straggler_interval)
         last = step >= train.steps or (train.tokens is not None and step * tokens_per_step >= train.tokens)
         return last or any(k and step % k == 0 for k in periodic)
 
@@ -234,7 +295,8 @@ class Trainer:
         tflops = flops_per_step / step_time / world / 1e12
         grad_norm = result["grad_norm"].item() if result["grad_norm"] is not None else None
         record = {"step": self.step, "loss": result["loss"].item(), "lr": result["lr"], "grad_norm": grad_norm,
-                  "skipped_steps": self.optimizer.skipped_steps, "tokens_per_s": tokens_per_step / step_time,
+                  "skipped_steps": self.optimizer.skipped_steps + (self.guard.skipped if self.guard else 0),
+                  "tokens_per_s": tokens_per_step / step_time,
                   "tflops_per_device": tflops, "mfu": tflops / peak if peak else None, "mem_gib": in_use,
                   "mem_peak_gib": peak_mem, "step_time_s": step_time,
                   "eta_s": mean_step_time * (self.cfg.train.steps - self.step),
@@ -261,13 +323,14 @@ class Trainer:
         print(f"[{self.state.coordinates()}] failed while in: {doing}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
+        self.release_checkpoint_dir()
         self.watchdog.close()
         self.metrics.close()
         parallel_state.destroy()
 
 
 def run(cfg, eval_only: bool = False) -> None:
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, writes_checkpoints=not eval_only)
     try:
         if eval_only:
             trainer.evaluate()
@@ -275,6 +338,7 @@ def run(cfg, eval_only: bool = False) -> None:
             trainer.train()
     except BaseException as error:
         trainer.report_failure(error)
+        trainer.release_checkpoint_dir()
         raise
     if trainer.metrics.enabled:
         print(f"metrics: {trainer.metrics.jsonl_path}"

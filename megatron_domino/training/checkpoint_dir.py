@@ -1,0 +1,219 @@
+"""A run's output folders, made ready on rank 0 before the model is built, so that no step is computed for a
+checkpoint that could never be written.
+
+Rank 0, in this order:
+- creates ``log.dir`` and ``checkpoint.dir`` and writes a probe file into each: a read-only or otherwise
+  unwritable folder fails now, not at the first save;
+- takes the lock ``<checkpoint.dir>/.lock`` (JSON: host, pid, start time, run id), so a second run into the
+  same folder is refused, naming the first. Its mtime is a heartbeat, touched every ``HEARTBEAT_S`` by a daemon
+  thread. A lock is stale, and is taken over with a warning, when its pid is dead on this host, or when its
+  heartbeat is older than ``STALE_AFTER_S`` (a run on another host, whose death this host cannot see);
+- refuses a fresh start into a folder that holds checkpoints (a ``latest``) unless ``checkpoint.load`` says
+  what to do, since the new run would publish over them;
+- removes ``.tmp-*`` folders: under the lock no live run writes there, so they are interrupted saves' leftovers;
+- compares the free space with one checkpoint's estimated size; a shortfall warns or fails
+  (``checkpoint.free_space``).
+The verdict travels to the other ranks over the launcher's store, so every rank raises the same error (the
+reporter prints it once) or receives the run id that makes this run's temporary folders its own.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import secrets
+import shutil
+import socket
+import threading
+import time
+import warnings
+
+import torch.distributed as dist
+
+from .. import checkpoint_format as fmt
+from ..config.errors import CheckpointError
+from ..models.counters import count_parameters
+
+LOCK = ".lock"
+HEARTBEAT_S = 60.0
+STALE_AFTER_S = 900.0  # 15 heartbeats missed: the holder is gone even if its pid cannot be checked from here
+_KEY = "megatron_domino/run_dirs/{}"
+_calls = itertools.count()  # every rank prepares in the same order, so the keys agree
+
+
+def checkpoint_bytes(cfg) -> int:
+    """One checkpoint's size, estimated: each parameter in its training dtype plus 12 bytes of fp32 optimizer
+    state (Adam's master copy and two moments; an upper bound for SGD)."""
+    param_bytes = 2 if cfg.train.bf16 or cfg.train.fp16 else 4
+    return count_parameters(cfg.model) * (param_bytes + 12)
+
+
+class DirLock:
+    """This run's hold on a checkpoint folder; ``release`` (or the process's end, which stops the heartbeat)
+    lets it go."""
+
+    def __init__(self, path: str, run_id: str):
+        self.path, self.run_id = path, run_id
+        self._stop = threading.Event()
+        threading.Thread(target=self._beat, name="checkpoint-dir-lock", daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError:
+                return
+
+    def release(self) -> None:
+        self._stop.set()
+        if (_read_lock(self.path) or {}).get("run_id") == self.run_id:  # never remove a lock taken over since
+            try:
+                os.remove(self.path)
+            except OSError:  # the folder went away: nothing left to hold
+                pass
+
+
+def _read_lock(path: str) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            holder = json.load(f)
+        return holder if isinstance(holder, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _describe(holder: dict | None) -> str:
+    if holder is None:
+        return "an unknown run (its lock file is unreadable)"
+    return f"the run of pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
+
+
+def _stale_reason(path: str, holder: dict | None) -> str | None:
+    """Why the lock at ``path`` no longer holds (None: it does)."""
+    if holder and holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+        try:
+            os.kill(holder["pid"], 0)
+        except ProcessLookupError:
+            return f"its process {holder['pid']} is no longer running"
+        except PermissionError:
+            pass
+    try:
+        age = time.time() - os.path.getmtime(path)
+    except FileNotFoundError:
+        return "it was released meanwhile"
+    return f"no heartbeat for {age / 60:.0f} min" if age > STALE_AFTER_S else None
+
+
+def acquire_lock(root: str, run_id: str) -> DirLock:
+    """Take ``root``'s lock, taking over a stale one with a warning; a live holder is refused by name."""
+    path = os.path.join(root, LOCK)
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id,
+              "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    for attempt in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _read_lock(path)
+            reason = _stale_reason(path, holder) if attempt == 0 else None
+            if reason is None:
+                raise CheckpointError(
+                    f"checkpoint.dir = {root!r} is in use by {_describe(holder)} (lock {path}); two runs into one "
+                    f"folder would overwrite each other's checkpoints. Fix: give this run another checkpoint.dir, "
+                    f"or wait for that run to end; if it is dead, delete {path}") from None
+            warnings.warn(f"checkpoint.dir = {root!r}: taking over the lock of {_describe(holder)}: {reason}",
+                          stacklevel=2)
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            continue
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return DirLock(path, run_id)
+    raise AssertionError("unreachable: the second attempt returns or raises")
+
+
+def probe(key: str, path: str) -> None:
+    """Create ``path`` and write, fsync and remove a file there; an unwritable folder is a CheckpointError."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe_file = os.path.join(path, f".probe-{socket.gethostname()}-{os.getpid()}")
+        with open(probe_file, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe_file)
+    except OSError as problem:
+        raise CheckpointError(f"{key} = {path!r} is not writable ({problem.strerror}: {problem.filename}), found "
+                              f"before step 1. Fix: make it writable, or point {key} at a writable folder") from None
+
+
+def _refuse_fresh_start_over(root: str, load: str | None) -> None:
+    if load is None and os.path.exists(os.path.join(root, fmt.LATEST)):
+        raise CheckpointError(
+            f"checkpoint.dir = {root!r} already holds checkpoints (a '{fmt.LATEST}' file) and checkpoint.load is "
+            f"not set: a fresh start would publish over them. Fix: checkpoint.load=auto to resume from them, "
+            f"checkpoint.load=PATH to start from another checkpoint, or a new checkpoint.dir")
+
+
+def _remove_leftovers(root: str) -> None:
+    for name in sorted(os.listdir(root)):
+        if name.startswith(fmt.TMP_PREFIX):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            warnings.warn(f"removed {os.path.join(root, name)}, left by an interrupted save", stacklevel=2)
+
+
+def _check_free_space(cfg) -> None:
+    root, need = cfg.checkpoint.dir, checkpoint_bytes(cfg)
+    free = shutil.disk_usage(root).free
+    if free >= need:
+        return
+    message = (f"checkpoint.dir = {root!r} has {free / 2**30:.2f} GiB free, less than one checkpoint "
+               f"(about {need / 2**30:.2f} GiB: parameters and optimizer state). Fix: free space, or point "
+               f"checkpoint.dir at a larger disk")
+    if cfg.checkpoint.free_space == "fail":
+        raise CheckpointError(message + " (checkpoint.free_space=warn only warns)")
+    warnings.warn(message, stacklevel=2)
+
+
+def _prepare_here(cfg, writes_checkpoints: bool, run_id: str) -> DirLock | None:
+    """Rank 0's part: everything above, in that order; on an error nothing is left locked."""
+    probe("log.dir", cfg.log.dir)
+    root = cfg.checkpoint.dir
+    if not (writes_checkpoints and root):
+        return None
+    probe("checkpoint.dir", root)
+    lock = acquire_lock(root, run_id)
+    try:
+        _refuse_fresh_start_over(root, cfg.checkpoint.load)
+        _remove_leftovers(root)
+        _check_free_space(cfg)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def prepare_run_dirs(cfg, rank: int, writes_checkpoints: bool = True) -> tuple[str, DirLock | None]:
+    """Make the run's folders ready (collective over every rank of the default group); returns the run id
+    shared by every rank and, on rank 0, the lock to release at the end."""
+    key = _KEY.format(next(_calls))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    store = dist.distributed_c10d._get_default_store() if world > 1 else None
+    if rank != 0:
+        verdict = json.loads(store.get(key))
+        if verdict["error"]:
+            raise CheckpointError(verdict["error"])
+        return verdict["run_id"], None
+    run_id = secrets.token_hex(4)
+    try:
+        lock = _prepare_here(cfg, writes_checkpoints, run_id)
+    except Exception as error:  # the other ranks wait for a verdict: they get this one and stop too
+        if store is not None:
+            store.set(key, json.dumps({"run_id": run_id, "error": str(error)}))
+        raise
+    if store is not None:
+        store.set(key, json.dumps({"run_id": run_id, "error": None}))
+    return run_id, lock

@@ -1,0 +1,79 @@
+"""train.on_bad_step: a NaN gradient on one rank at step K is skipped by every rank, or stops every rank with a
+checkpoint of step K - 1; a loss spike above spike_factor x the running median is refused. One spawn of 4 ranks
+(TP2 x PP2) runs both actions."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from megatron_domino.config.loader import load_config
+from megatron_domino.training.guard import BadStepError, BadStepGuard
+from tests.harness import run_ranks
+from tests.training_runs import COMMON, REPO, TINY
+
+BAD_STEP, POISONED_RANK = 3, 1  # rank 1: TP rank 1 of the first stage, which holds its own weight shards
+
+
+def _checksum(trainer) -> float:
+    return sum(p.detach().double().sum().item() for chunk in trainer.chunks for p in chunk.parameters())
+
+
+def _trainer(rank, run_dir, action):
+    from megatron_domino.training.trainer import Trainer
+    cfg = load_config(os.path.join(REPO, TINY["gpt"]), COMMON + [
+        f"log.dir={run_dir}/{action}", f"checkpoint.dir={run_dir}/{action}/checkpoints", "parallel.tp=2",
+        "parallel.pp=2", "train.global_batch_size=8", "train.steps=5", f"train.on_bad_step={action}"])
+    trainer = Trainer(cfg)
+    optimizer_step, sums = trainer.optimizer.step, {}
+
+    def step(lr, accept=None):  # the test hook: poison this rank's gradient before step BAD_STEP's update
+        if rank == POISONED_RANK and trainer.step + 1 == BAD_STEP:
+            for fragment in trainer.optimizer.fragments:
+                fragment.grad.fill_(float("nan"))
+        stepped = optimizer_step(lr, accept)
+        sums[trainer.step + 1] = _checksum(trainer)
+        return stepped
+    trainer.optimizer.step = step
+    return trainer, sums
+
+
+def _both_actions(rank, world_size, run_dir):
+    trainer, sums = _trainer(rank, run_dir, "skip")
+    trainer.train()
+    skipped = (trainer.guard.skipped, trainer.optimizer.steps, sums, trainer.step)
+    trainer.close()
+    trainer, _ = _trainer(rank, run_dir, "stop")
+    with pytest.raises(BadStepError) as stopped:
+        trainer.train()
+    trainer.close()
+    torch.distributed.barrier()  # rank 0 hosts the store here: it stays until every rank has left the save
+    return skipped, str(stopped.value)
+
+
+def test_a_nan_on_one_rank_is_skipped_or_stops_every_rank(tmp_path):
+    results = run_ranks(_both_actions, 4, str(tmp_path), timeout=300)
+    for rank, ((skipped, updates, sums, step), message) in enumerate(results):
+        assert (skipped, updates, step) == (1, 4, 5), f"rank {rank}"
+        assert sums[BAD_STEP] == sums[BAD_STEP - 1] and sums[BAD_STEP + 1] != sums[BAD_STEP], f"rank {rank}"
+        assert all(math.isfinite(value) for value in sums.values()), f"rank {rank}: {sums}"
+        assert f"bad step {BAD_STEP}: grad norm is nan, first seen on rank {POISONED_RANK}" in message
+        assert "after saving the last good step" in message
+    with open(tmp_path / "stop" / "checkpoints" / "latest") as f:
+        assert json.load(f)["step"] == BAD_STEP - 1
+    bad = [json.loads(line) for line in open(tmp_path / "skip" / "metrics.jsonl") if '"bad_step"' in line]
+    assert [(r["step"], r["action"]) for r in bad] == [(BAD_STEP, "skip")]
+    last = [json.loads(line) for line in open(tmp_path / "skip" / "metrics.jsonl")][-1]
+    assert last["step"] == 5 and last["skipped_steps"] == 1
+
+
+def test_a_spike_above_the_running_median_is_refused_and_not_remembered():
+    guard = BadStepGuard("skip", spike_factor=2.0, spike_window=3, rank=0, world_size=1)
+    norm, local = torch.tensor(1.0), torch.tensor(1.0)
+    verdicts = [guard.judge(step, torch.tensor(loss))(norm, local)
+                for step, loss in enumerate([4.0, 3.0, 3.5, 7.5, 6.5, 3.25], start=1)]
+    assert verdicts == [True, True, True, False, True, True]  # 7.5 > 2 x 3.5; 6.5 is not above 2 x 3.5
+    assert guard.skipped == 1 and list(guard.recent) == [3.5, 6.5, 3.25]
+    assert guard.judge(7, torch.tensor(float("inf")))(norm, local) is False
+    assert guard.problem == "bad step 7: loss is inf, first seen on every rank (the global loss)"

@@ -1,0 +1,232 @@
+"""Checkpoint folders and files met the way a user meets them: a second run into a busy folder, a fresh start over
+published checkpoints, a stale lock and an interrupted save's leftovers, a read-only or full disk, damaged
+metadata and files, and a launch that cannot start. Each asserts the status and the words of the message, and
+that nothing already published is lost."""
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_domino import checkpoint_format as fmt
+from megatron_domino.config import load_config
+from megatron_domino.config.errors import CheckpointError, LaunchError
+from megatron_domino.models.language_model import LanguageModel
+from megatron_domino.parallel.launch import device_for
+from megatron_domino.training import cli
+from megatron_domino.training.checkpoint import load_checkpoint
+from megatron_domino.training.checkpoint_dir import LOCK, prepare_run_dirs
+from tests.test_runtime_faults import raised
+from tests.training_runs import REPO, TINY, command, environment, kill_group, metrics, start, train, wait_for_step
+
+STEP2, STEP3 = fmt.step_dir_name(2), fmt.step_dir_name(3)
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """A checkpoint root holding steps 1 to 3 of a tiny run (``latest``: step 3)."""
+    run = str(tmp_path_factory.mktemp("published") / "run")
+    train("gpt", 1, run, ["train.steps=3", "checkpoint.interval=1", "checkpoint.keep=0"])
+    return os.path.join(run, "checkpoints")
+
+
+@pytest.fixture
+def root(published, tmp_path):
+    """A private copy of ``published``, to damage."""
+    return shutil.copytree(published, str(tmp_path / "checkpoints"))
+
+
+def snapshot(root: str) -> dict:
+    """Every published file under ``root`` and its bytes: what must survive a refused run."""
+    out = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name != LOCK:
+                with open(os.path.join(folder, name), "rb") as f:
+                    out[os.path.relpath(os.path.join(folder, name), root)] = f.read()
+    return out
+
+
+def run_cli(run_dir: str, overrides: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command("gpt", 1, run_dir, overrides), cwd=REPO, env=environment(), capture_output=True,
+                          text=True, timeout=240)
+
+
+def assert_one_block(result, *words) -> None:
+    err = result.stderr
+    assert result.returncode == 1, err[-4000:]
+    assert err.count("CheckpointError: ") == 1 and "Traceback" not in err, err[-4000:]
+    for word in words:
+        assert word in err, (word, err[-4000:])
+
+
+def test_a_second_run_into_the_same_folder_is_refused_naming_the_first(tmp_path):
+    first, log = str(tmp_path / "first"), tmp_path / "first.txt"
+    ckpt = os.path.join(first, "checkpoints")
+    proc = start("gpt", 1, first, ["train.steps=500", "checkpoint.interval=2", "checkpoint.keep=0"], str(log))
+    try:
+        wait_for_step(first, 3, proc)
+        published = snapshot(os.path.join(ckpt, STEP2))  # saved before step 3 was logged
+        second = run_cli(str(tmp_path / "second"), [f"checkpoint.dir={ckpt}", "checkpoint.load=auto"])
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 0, log.read_text()[-4000:]
+    finally:
+        kill_group(proc)
+    assert_one_block(second, f"checkpoint.dir = '{ckpt}' is in use by the run of pid {proc.pid}",
+                     "Fix: give this run another checkpoint.dir")
+    assert metrics(str(tmp_path / "second")) == []
+    assert snapshot(os.path.join(ckpt, STEP2)) == published
+    assert not os.path.exists(os.path.join(ckpt, LOCK))  # released at the end
+    assert not [n for n in os.listdir(ckpt) if n.startswith(fmt.TMP_PREFIX)]
+
+
+def test_a_fresh_start_over_published_checkpoints_is_refused(root, tmp_path):
+    before = snapshot(root)
+    result = run_cli(str(tmp_path / "run"), [f"checkpoint.dir={root}"])
+    assert_one_block(result, "already holds checkpoints", "a fresh start would publish over them",
+                     "Fix: checkpoint.load=auto to resume from them")
+    assert snapshot(root) == before and not os.path.exists(os.path.join(root, LOCK))
+
+
+def test_a_stale_lock_is_taken_over_and_leftovers_are_removed(root, tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    with open(os.path.join(root, LOCK), "w") as f:
+        json.dump({"host": os.uname().nodename, "pid": dead.pid, "run_id": "gone", "started": "earlier"}, f)
+    leftover = fmt.start_step_dir(root, 4, "gone")  # a save interrupted by a full disk or a kill
+    before = snapshot(root)
+    result = train("gpt", 1, str(tmp_path / "run"), [f"checkpoint.dir={root}", "checkpoint.load=auto",
+                                                    "train.steps=4", "checkpoint.keep=0"])
+    assert f"taking over the lock of the run of pid {dead.pid}" in result.stderr
+    assert f"its process {dead.pid} is no longer running" in result.stderr
+    assert f"removed {leftover}, left by an interrupted save" in result.stderr
+    assert not os.path.exists(leftover) and not os.path.exists(os.path.join(root, LOCK))
+    after = snapshot(root)
+    assert all(after[name] == data for name, data in before.items() if not name.startswith("latest"))
+    assert fmt.resolve_load_path("auto", root).endswith(fmt.step_dir_name(4))
+
+
+@contextlib.contextmanager
+def mounted(*args: str):
+    """``mount *args`` for the block (the last argument is the mount point); skips where mounting is refused."""
+    if subprocess.run(["mount", *args], capture_output=True).returncode != 0:
+        pytest.skip("mount is not permitted here")
+    try:
+        yield args[-1]
+    finally:
+        subprocess.run(["umount", args[-1]], capture_output=True)
+
+
+def test_a_read_only_checkpoint_dir_fails_before_step_1(root, tmp_path):
+    target = str(tmp_path / "read-only")
+    os.makedirs(target)
+    before = snapshot(root)
+    with mounted("--bind", root, target):
+        if subprocess.run(["mount", "-o", "remount,bind,ro", target], capture_output=True).returncode:
+            pytest.skip("a read-only remount is not permitted here")
+        result = run_cli(str(tmp_path / "run"), [f"checkpoint.dir={target}", "checkpoint.load=auto"])
+    assert_one_block(result, f"checkpoint.dir = '{target}' is not writable (Read-only file system",
+                     "found before step 1", "Fix: make it writable")
+    assert metrics(str(tmp_path / "run")) == []  # not one step computed for a checkpoint that cannot be written
+    assert snapshot(root) == before
+
+
+def test_a_disk_too_small_for_one_checkpoint_warns_or_fails(tmp_path):
+    target = str(tmp_path / "small")
+    os.makedirs(target)
+    with mounted("-t", "tmpfs", "-o", "size=1m", "tmpfs", target):
+        result = run_cli(str(tmp_path / "run"), [f"checkpoint.dir={target}", "checkpoint.free_space=fail"])
+        assert_one_block(result, f"checkpoint.dir = '{target}' has ", "GiB free, less than one checkpoint",
+                         "Fix: free space, or point checkpoint.dir at a larger disk")
+        assert metrics(str(tmp_path / "run")) == []
+        cfg = load_config(os.path.join(REPO, TINY["gpt"]), [f"checkpoint.dir={target}", f"log.dir={tmp_path}/log"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, lock = prepare_run_dirs(cfg, rank=0)  # checkpoint.free_space=warn, the default
+        lock.release()
+        assert any("less than one checkpoint" in str(w.message) for w in caught)
+        assert os.listdir(target) == []  # probe and lock cleaned up
+
+
+def _truncate(path: str, keep: int) -> None:
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[:keep])
+
+
+def _edit_metadata(step_dir: str, **changes) -> None:
+    path = os.path.join(step_dir, fmt.METADATA)
+    with open(path) as f:
+        meta = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**meta, **changes}, f)
+
+
+DAMAGE = {
+    "negative consumed_samples": (lambda s: _edit_metadata(s, consumed_samples=-50),
+                                  "consumed_samples = -50 is not a non-negative integer"),
+    "step of another folder": (lambda s: _edit_metadata(s, step=7),
+                               "step = 7 differs from its folder's step 3"),
+    "truncated metadata": (lambda s: _truncate(os.path.join(s, fmt.METADATA), 40), "metadata.json is not valid JSON"),
+    "truncated safetensors": (lambda s: _truncate(os.path.join(s, fmt.stage_file("model", 0)), 3000),
+                              f"{fmt.stage_file('model', 0)} is unreadable or truncated"),
+    "missing shard": (lambda s: os.remove(os.path.join(s, fmt.stage_file("model", 0))),
+                      f"lacks {fmt.stage_file('model', 0)} (saved at pp = 1"),
+    "latest names a missing step": (lambda s: _write(os.path.join(os.path.dirname(s), fmt.LATEST),
+                                                     '{"step": 9, "dir": "step_00000009"}'),
+                                    "latest names step_00000009, which does not exist"),
+    "truncated latest": (lambda s: _truncate(os.path.join(os.path.dirname(s), fmt.LATEST), 10),
+                         "latest is unreadable (JSONDecodeError"),
+}
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+@pytest.mark.parametrize("case", list(DAMAGE))
+def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_intact_steps(root, case):
+    damage, words = DAMAGE[case]
+    damage(os.path.join(root, STEP3))
+    cfg = load_config(os.path.join(REPO, TINY["gpt"]), [])
+    model = LanguageModel(cfg.model)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(0.25)
+    state = SimpleNamespace(tp_rank=0, tp_size=1, pp_size=1, dp_size=1, virtual_pp=1, rank=0)
+    with pytest.raises(CheckpointError) as raised_error:
+        load_checkpoint(fmt.resolve_load_path("auto", root), chunks=[model], optimizer=None, schedule=None,
+                        cfg=cfg, state=state)
+    message = str(raised_error.value)
+    assert words in message, message
+    newest = STEP3 if "latest" in case else STEP2  # a damaged latest leaves step 3 itself intact
+    assert f"Fix: load an intact checkpoint instead, e.g. the newest: checkpoint.load={root}/{newest}" in message
+    assert "(intact in" in message and fmt.step_dir_name(1) in message
+    assert all((param == 0.25).all() for param in model.parameters())  # nothing loaded silently
+
+
+def test_a_step_that_is_not_a_number_is_one_block_not_a_type_error(root, tmp_path):
+    _edit_metadata(os.path.join(root, STEP3), step="four")
+    result = run_cli(str(tmp_path / "run"), [f"checkpoint.load={root}", "train.steps=5",
+                                              "checkpoint.save_at_end=false", f"checkpoint.dir={tmp_path}/new"])
+    assert_one_block(result, "step = 'four' is not a non-negative integer",
+                     f"checkpoint.load={root}/{STEP2}")
+    assert metrics(str(tmp_path / "run")) == []
+
+
+def test_a_launch_error_is_one_block(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # backend nccl on a node without GPUs
+    with pytest.raises(LaunchError) as error:
+        device_for("nccl")
+    assert cli._report_failure(raised(error.value), str(tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("[rank 0] LaunchError: parallel.backend = nccl but this process sees no CUDA device")
+    assert "\n  Fix: request GPUs for every task" in err and "Traceback" not in err

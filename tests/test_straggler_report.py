@@ -1,0 +1,42 @@
+"""log.straggler_interval: one rank of 8 (PP2 x DP4) spins on the CPU in every forward-backward, and rank 0's
+report names it, by coordinate, as the slowest rank against the median."""
+import json
+import os
+import time
+
+from megatron_domino.config.loader import load_config
+from tests.harness import run_ranks
+from tests.training_runs import COMMON, REPO, TINY
+
+SLOW_RANK, EXTRA_S = 5, 0.6  # rank 5 = tp 0, pp 1, dp 1 in tp-dp-pp order
+
+
+def _train(rank, world_size, run_dir):
+    from megatron_domino.training.trainer import Trainer
+    cfg = load_config(os.path.join(REPO, TINY["gpt"]), COMMON + [
+        f"log.dir={run_dir}", "checkpoint.dir=null", "parallel.pp=2", "train.global_batch_size=16",
+        "train.steps=4", "log.straggler_interval=2", "log.interval=100"])
+    trainer = Trainer(cfg)
+    forward_backward = trainer.engine.forward_backward
+
+    def slow(*args, **kwargs):  # the test hook: extra CPU work on one rank only
+        deadline = time.perf_counter() + EXTRA_S
+        while time.perf_counter() < deadline:
+            pass
+        return forward_backward(*args, **kwargs)
+    if rank == SLOW_RANK:
+        trainer.engine.forward_backward = slow
+    trainer.train()
+    trainer.close()
+
+
+def test_the_report_names_the_rank_that_computes_longest(tmp_path):
+    run_ranks(_train, 8, str(tmp_path), timeout=300)
+    with open(tmp_path / "stragglers.jsonl") as f:
+        reports = [json.loads(line) for line in f]
+    assert [r["step"] for r in reports] == [2, 4]
+    for report in reports:
+        slowest = report["slowest"][0]
+        assert (slowest["rank"], slowest["tp"], slowest["pp"], slowest["dp"]) == (SLOW_RANK, 0, 1, 1), report
+        # CPU time, not wall time: the 8 ranks share 2 cores, so the spin gets part of its wall time
+        assert slowest["ratio_to_median"] > 1.5 and slowest["compute_ms"] >= 1000 * EXTRA_S / 2, report
