@@ -8,6 +8,10 @@ python -c "import torch" 2>/dev/null || python -m pip install --quiet "torch==2.
 python -m pip install --quiet -e .
 python tools/prepare_quickstart_data.py --output-dir data/quickstart
 export OMP_NUM_THREADS=1  # 8 ranks share the CPU cores
+if [ -d runs/tiny-gpt ]; then  # a run refuses to start over another's checkpoints: the quick start begins anew
+  echo "quickstart: replacing the previous quick-start run in runs/tiny-gpt"
+  rm -rf runs/tiny-gpt
+fi
 python -m torch.distributed.run --standalone --nproc-per-node 8 pretrain_gpt.py --config configs/tiny/gpt.yaml \
   parallel.tp=2 parallel.pp=2 parallel.dp=2 parallel.domino=true "$@"
 echo "plot the run: python tools/plot_metrics.py runs/tiny-gpt/metrics.jsonl --output runs/tiny-gpt/metrics.png"
