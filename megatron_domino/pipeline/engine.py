@@ -34,7 +34,9 @@ class PipelineEngine:
         self.holds_loss = any(c.post_process for c in chunks)
         self.needs_tokens = any(c.pre_process for c in chunks)
         self._loss_factor = torch.ones((), dtype=torch.float64, device=device)
-        transport = StrictP2P if strict_enabled(par) else P2P
+        # The strict transport emulates NCCL's p2p rules on gloo (its announcements rely on gloo's tags and
+        # buffering); on NCCL the rules hold by themselves, so the plain transport serves there.
+        transport = StrictP2P if strict_enabled(par) and dist.get_backend() == "gloo" else P2P
         self.executor = PipelineExecutor(chunks, self.stage,
                                          transport(device, collective_timeout_s(par), par.variable_seq_lengths),
                                          loss_fn=self._loss, on_backward=on_backward)
