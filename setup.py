@@ -17,6 +17,7 @@ setup(
         "safetensors",
     ],
     extras_require={
+        "fast": ["tokenizers"],  # the Rust tokenizer path for preprocessing (same ids as the regex reference)
         "test": ["pytest", "transformers", "tokenizers", "import-linter", "matplotlib", "wandb"],
     },
 )

@@ -5,6 +5,8 @@
         --json-keys text --append-eod --workers 8
 
 writes data/corpus_text_document.bin/.idx. Use --partitions N on large inputs to make the run resumable.
+With the tokenizers package (pip install megatron_domino[fast]) GPT-2 BPE and HF tokenizers encode in Rust,
+with the same ids as the Python reference; --tokenizer-impl chooses, and the run says which it uses.
 Bad arguments exit with status 2 (argparse's usage error); an input that yields no token exits with 1.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 from megatron_domino.config.schema import TOKENIZERS, TokenizerConfig  # noqa: E402
+from megatron_domino.data.fast_tokenizer import IMPLS  # noqa: E402
 from megatron_domino.data.preprocessing import (  # noqa: E402
     PreprocessOptions,
     output_prefix,
@@ -45,6 +48,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
     p.add_argument("--tokenizer-model", help="SentencePiece .model, or HF tokenizer directory / tokenizer.json")
     p.add_argument("--vocab-size", type=int, help="NullTokenizer: vocabulary size (EOD is vocab_size - 1)")
+    p.add_argument("--tokenizer-impl", choices=IMPLS, default="auto",
+                   help="GPT2BPETokenizer and HF directories: 'rust' encodes with the tokenizers package (same ids; "
+                        "faster on text of many distinct words, slower than the regex path's word cache on typical "
+                        "prose: see benchmarks/README.md), 'python' with the reference (regex / transformers); "
+                        "'auto' (default) takes rust when tokenizers imports")
     p.add_argument("--append-eod", action="store_true", help="end every document with the tokenizer's EOD id")
     p.add_argument("--workers", type=_positive, default=1, help="tokenizer processes")
     p.add_argument("--partitions", type=_positive, default=1,
@@ -53,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not os.path.isfile(args.input):
         p.error(f"--input {args.input}: no such file")
     try:
-        build_tokenizer(_tokenizer_config(args), args.vocab_size)
+        build_tokenizer(_tokenizer_config(args), args.vocab_size, args.tokenizer_impl)
     except (ValueError, OSError) as error:
         p.error(str(error))
     return args
@@ -69,7 +77,7 @@ def main(argv=None) -> int:
     options = PreprocessOptions(
         input=args.input, output_prefix=args.output_prefix, tokenizer=_tokenizer_config(args),
         vocab_size=args.vocab_size, json_keys=tuple(args.json_keys), append_eod=args.append_eod,
-        workers=args.workers, partitions=args.partitions)
+        workers=args.workers, partitions=args.partitions, tokenizer_impl=args.tokenizer_impl)
     stats = preprocess(options)
     print(stats.summary())
     _report_bad_lines(stats, options.output_prefix)

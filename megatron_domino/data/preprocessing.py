@@ -5,6 +5,8 @@ An empty text stays an empty document (no sequence, as Megatron-LM's tool writes
 line k + 1 of a clean input. A blank line is skipped and counted. A line that cannot be used (not UTF-8,
 not JSON, not an object, key missing or not a string, tokenizer failure) is skipped for every key, counted
 and reported with its line number; it never stops the run.
+The tokenizer runs in ``workers`` processes, on the Rust path when ``tokenizer_impl`` allows it (same
+ids, see ``fast_tokenizer.py``); the run names the implementation it uses on the progress stream.
 Outputs are written under temporary names and renamed when complete. With ``partitions`` > 1 the input
 is cut into byte ranges processed one after another, each finished range kept on disk, so an
 interrupted run resumes at the first unfinished range.
@@ -43,6 +45,7 @@ class PreprocessOptions:
     append_eod: bool = False
     workers: int = 1
     partitions: int = 1
+    tokenizer_impl: str = "auto"  # auto | python | rust: same ids, so not part of a resumed run's signature
 
 
 @dataclass
@@ -80,8 +83,10 @@ def output_prefix(prefix: str, key: str) -> str:
 _worker_state: dict = {}
 
 
-def _init_worker(options: PreprocessOptions) -> None:
-    _worker_state["tokenizer"] = build_tokenizer(options.tokenizer, options.vocab_size)
+def _init_worker(options: PreprocessOptions, tokenizer=None) -> None:
+    """Per worker process (or in process with one worker, reusing the driver's ``tokenizer``)."""
+    _worker_state["tokenizer"] = tokenizer or build_tokenizer(options.tokenizer, options.vocab_size,
+                                                              options.tokenizer_impl)
     _worker_state["options"] = options
 
 
@@ -153,14 +158,17 @@ def preprocess(options: PreprocessOptions, progress_stream=None) -> PreprocessSt
         raise ValueError(f"--workers ({options.workers}) and --partitions ({options.partitions}) must be >= 1")
     if os.path.dirname(options.output_prefix):
         os.makedirs(os.path.dirname(options.output_prefix), exist_ok=True)
-    dtype = token_dtype(build_tokenizer(options.tokenizer, options.vocab_size).vocab_size)
+    tokenizer = build_tokenizer(options.tokenizer, options.vocab_size, options.tokenizer_impl)
+    dtype = token_dtype(tokenizer.vocab_size)
     ranges = _partition_ranges(options.input, options.partitions)
     start, total = time.monotonic(), PreprocessStats()
-    progress = Progress(os.path.getsize(options.input), stream=progress_stream)
+    progress = Progress(os.path.getsize(options.input), stream=progress_stream, rated=("tokens",))
+    print(f"tokenizer: {options.tokenizer.type}, {tokenizer.backend}; {options.workers} worker"
+          f"{'s' if options.workers > 1 else ''}", file=progress.stream, flush=True)
     pool = (multiprocessing.Pool(options.workers, initializer=_init_worker, initargs=(options,))
             if options.workers > 1 else None)
     if pool is None:
-        _init_worker(options)
+        _init_worker(options, tokenizer)
     try:
         if len(ranges) == 1:
             total.add(_convert_range(options, ranges[0], {k: output_prefix(options.output_prefix, k)

@@ -2,12 +2,16 @@
 
 Preprocessing only needs text -> ids; training only needs the special ids (EOD for packing flags) and the
 vocabulary size. The type names are Megatron's, so ``--tokenizer-type`` values in existing recipes carry over.
+``impl`` chooses between the Python reference and the Rust fast path (``fast_tokenizer.py``); ``backend``
+names the one in use, for logs.
 """
 from __future__ import annotations
 
 import os
 
 from megatron_domino.config.schema import TOKENIZERS, TokenizerConfig
+
+from .fast_tokenizer import python_fallback_note, rust_name, use_rust
 
 
 class BaseTokenizer:
@@ -16,6 +20,7 @@ class BaseTokenizer:
     vocab_size: int
     eod: int
     pad: int
+    backend: str  # the implementation that encodes, e.g. "python (regex)" or "rust (tokenizers 0.23.3)"
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -25,9 +30,10 @@ class BaseTokenizer:
 
 
 class GPT2BPETokenizer(BaseTokenizer):
-    """GPT-2 byte-level BPE (see ``gpt2_bpe.py``); EOD is ``<|endoftext|>``, which also serves as padding."""
+    """GPT-2 byte-level BPE (see ``gpt2_bpe.py``); EOD is ``<|endoftext|>``, which also serves as padding.
+    The Rust path is built from the tables the Python one read, so both give the same ids."""
 
-    def __init__(self, vocab_file: str, merge_file: str):
+    def __init__(self, vocab_file: str, merge_file: str, impl: str = "auto"):
         from .gpt2_bpe import END_OF_TEXT, GPT2BPE
         self._bpe = GPT2BPE(vocab_file, merge_file)
         if END_OF_TEXT not in self._bpe.encoder:
@@ -35,11 +41,22 @@ class GPT2BPETokenizer(BaseTokenizer):
                              f"add it to vocab.json")
         self.vocab_size = len(self._bpe.encoder)
         self.eod = self.pad = self._bpe.encoder[END_OF_TEXT]
+        self._rust = None
+        if use_rust(impl):
+            from .fast_tokenizer import rust_byte_level_bpe
+            self._rust = rust_byte_level_bpe(self._bpe.encoder, self._bpe.ranks, self._bpe.special_tokens)
+            self.backend = rust_name()
+        else:
+            self.backend = "python (regex)" + python_fallback_note(impl)
 
     def encode(self, text: str) -> list[int]:
+        if self._rust is not None:
+            return self._rust.encode(text, add_special_tokens=False).ids
         return self._bpe.encode(text)
 
     def decode(self, ids) -> str:
+        if self._rust is not None:
+            return self._rust.decode([int(i) for i in ids], skip_special_tokens=False)
         return self._bpe.decode(ids)
 
 
@@ -55,6 +72,7 @@ class SentencePieceTokenizer(BaseTokenizer):
         if self.eod < 0:
             raise ValueError(f"SentencePiece model {model_file} has no EOS piece, which ends documents here; "
                              f"train it with eos_id >= 0")
+        self.backend = "sentencepiece (C++)"
         self.pad = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eod
 
     def encode(self, text: str) -> list[int]:
@@ -70,21 +88,30 @@ _EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_i
 class HuggingFaceTokenizer(BaseTokenizer):
     """Any HF tokenizer (Llama-3's tiktoken-style BPE included): a directory loaded with transformers'
     AutoTokenizer, or a single tokenizer.json loaded with ``tokenizers``. Special tokens are never added by
-    ``encode``: documents are packed, and EOD is appended by the preprocessing where asked."""
+    ``encode``: documents are packed, and EOD is appended by the preprocessing where asked.
 
-    def __init__(self, path: str):
+    The Rust path calls the directory's ``backend_tokenizer`` (the ``tokenizers`` object transformers
+    configured) directly, skipping transformers' per-call Python work; a tokenizer.json is always Rust."""
+
+    def __init__(self, path: str, impl: str = "auto"):
+        rust = use_rust(impl)
         if os.path.isfile(path):
             from tokenizers import Tokenizer
-            self._tok, self._is_fast_file = Tokenizer.from_file(path), True
+            self._tok = self._rust = Tokenizer.from_file(path)
             vocab = self._tok.get_vocab(with_added_tokens=True)
             self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
             eos = next((vocab[t] for t in _EOS_CANDIDATES if t in vocab), None)
             pad = None
         else:
             from transformers import AutoTokenizer
-            self._tok, self._is_fast_file = AutoTokenizer.from_pretrained(path, local_files_only=True), False
+            self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self._rust = getattr(self._tok, "backend_tokenizer", None) if rust else None
+            if impl == "rust" and self._rust is None:
+                raise ValueError(f"HF tokenizer {path} has no tokenizers (Rust) backend (no tokenizer.json); "
+                                 f"use tokenizer implementation 'python'")
             self.vocab_size = len(self._tok)
             eos, pad = self._tok.eos_token_id, self._tok.pad_token_id
+        self.backend = rust_name() if self._rust is not None else "python (transformers)" + python_fallback_note(impl)
         if eos is None:
             raise ValueError(f"HF tokenizer {path} names no end-of-sequence token (looked for eos_token and "
                              f"{_EOS_CANDIDATES}); set eos_token in its tokenizer_config.json")
@@ -92,8 +119,8 @@ class HuggingFaceTokenizer(BaseTokenizer):
         self.pad = int(pad) if pad is not None else self.eod
 
     def encode(self, text: str) -> list[int]:
-        if self._is_fast_file:
-            return self._tok.encode(text, add_special_tokens=False).ids
+        if self._rust is not None:
+            return self._rust.encode(text, add_special_tokens=False).ids
         return self._tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids) -> str:
@@ -106,6 +133,7 @@ class NullTokenizer(BaseTokenizer):
     def __init__(self, vocab_size: int):
         self.vocab_size = int(vocab_size)
         self.eod = self.pad = self.vocab_size - 1
+        self.backend = "python"
 
     def encode(self, text: str) -> list[int]:
         ids = [int(x) for x in text.split()]
@@ -119,9 +147,10 @@ class NullTokenizer(BaseTokenizer):
         return " ".join(str(int(i)) for i in ids)
 
 
-def build_tokenizer(cfg: TokenizerConfig, vocab_size: int | None = None) -> BaseTokenizer:
+def build_tokenizer(cfg: TokenizerConfig, vocab_size: int | None = None, impl: str = "auto") -> BaseTokenizer:
     """The tokenizer ``cfg`` names. ``vocab_size`` is required by NullTokenizer; for the others, when given, it is
-    the model's vocabulary and must hold every id the tokenizer can produce."""
+    the model's vocabulary and must hold every id the tokenizer can produce. ``impl`` (auto, python, rust)
+    matters to GPT2BPETokenizer and HuggingFaceTokenizer; the other types have one implementation."""
     kind = cfg.type
     if kind == "NullTokenizer":
         if vocab_size is None:
@@ -131,13 +160,13 @@ def build_tokenizer(cfg: TokenizerConfig, vocab_size: int | None = None) -> Base
     if kind == "GPT2BPETokenizer":
         _require(cfg, "vocab_file", "--vocab-file", "vocab.json")
         _require(cfg, "merge_file", "--merge-file", "merges.txt")
-        tok = GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)
+        tok = GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file, impl)
     elif kind == "SentencePieceTokenizer":
         _require(cfg, "model", "--tokenizer-model", "a SentencePiece .model file")
         tok = SentencePieceTokenizer(cfg.model)
     elif kind == "HuggingFaceTokenizer":
         _require(cfg, "model", "--tokenizer-model", "an HF tokenizer directory or tokenizer.json")
-        tok = HuggingFaceTokenizer(cfg.model)
+        tok = HuggingFaceTokenizer(cfg.model, impl)
     else:
         raise ValueError(f"tokenizer.type={kind!r} is unknown; use one of {', '.join(TOKENIZERS)}")
     if vocab_size is not None and tok.vocab_size > vocab_size:
