@@ -1,8 +1,14 @@
-"""Pipeline bubble: per-stage busy and idle time of 1F1B and interleaved 1F1B (v = 2) at pp = 4, beside theory.
+"""Pipeline bubble: per-stage busy and idle time of 1F1B, interleaved 1F1B (v = 2) and ZB-H1 at pp = 4 (or 2),
+beside theory.
 
-    python benchmarks/pipeline.py                      # m = 4, 8, 16 micro-batches, both schedules
+    python benchmarks/pipeline.py                      # m = 4, 8, 16 micro-batches, every schedule
+    python benchmarks/pipeline.py --stage-cost sleep:50 --microbatches 16 [--pp 2]   # fixed-time stages, as the peers
 
-One torchrun job of 4 ranks (tp = dp = 1) trains the GPT below for each (schedule, m), one Trainer at a
+``--stage-cost sleep:MS`` pads every op to a fixed time (the model still runs, tiny, inside it): a forward
+MS, a backward 2·MS, split evenly into B and W where the schedule splits it (a chunk's op 1/v of that under
+interleaving). The idle fraction then no longer depends on how many cores the ranks share.
+
+One torchrun job of pp ranks (tp = dp = 1) trains the GPT below for each (schedule, m), one Trainer at a
 time. Every forward and backward the pipeline executor runs is timed on its rank. Per step, the makespan is
 the first op's start to the last op's end over all ranks (every rank starts together after a barrier, as
 in the theory); a rank's busy time is the sum of its ops and its idle time the rest. Medians over the
@@ -17,23 +23,28 @@ steady state) than in the ramp-up and ramp-down, which shrinks the measured bubb
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
+import time
 from collections import defaultdict
 
 from common import (MODEL_FLAGS, add_model_args, run_harness,
                     RESULTS, build_trainer, close_trainer, format_table, forward_flags,
                     launch, load_benchmark_config, model_overrides, read_json, write_json)
 
-PP = 4
-SCHEDULES = {"1f1b": 1, "interleaved": 2}  # name -> virtual_pp
+SCHEDULES = {"1f1b": 1, "interleaved": 2, "zb-h1": 1}  # name (parallel.pipeline_schedule) -> virtual_pp
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser, hidden=512, heads=8, layers=8, seq=256, micro_batch=2)
-    parser.add_argument("--microbatches", default="4,8,16", help="comma-separated m (multiples of pp = 4)")
+    parser.add_argument("--pp", type=int, choices=(2, 4), default=4, help="pipeline ranks (one process each)")
+    parser.add_argument("--microbatches", default="4,8,16", help="comma-separated m (multiples of pp)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help=f"of {', '.join(SCHEDULES)}")
+    parser.add_argument("--stage-cost", default=None, metavar="sleep:MS",
+                        help="pad each forward to MS ms, each backward to 2 MS (B and W MS each) instead of timing "
+                             "the model's compute")
     parser.add_argument("--rounds", type=int, default=3, help="timed steps per configuration (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration first")
     parser.add_argument("--json", default=os.path.join(RESULTS, "pipeline.json"))
@@ -42,14 +53,52 @@ def parse_args(argv=None):
     for name in args.schedules.split(","):
         if name not in SCHEDULES:
             parser.error(f"--schedules: {name!r} is not one of {', '.join(SCHEDULES)}")
-    stages = PP * max(SCHEDULES[name] for name in args.schedules.split(","))
+    if args.stage_cost is not None and not (args.stage_cost.startswith("sleep:") and
+                                            _is_positive(args.stage_cost[len("sleep:"):])):
+        parser.error(f"--stage-cost {args.stage_cost!r}: expected sleep:MS with MS > 0, e.g. sleep:50")
+    stages = args.pp * max(SCHEDULES[name] for name in args.schedules.split(","))
     if args.layers % stages:
         parser.error(f"--layers {args.layers}: must be a multiple of pp * virtual_pp = {stages} (equal stages)")
     return args
 
 
-def closed_form(m: int, v: int) -> float:
-    return (PP - 1) / (v * m + PP - 1)
+def _is_positive(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
+def closed_form(schedule: str, m: int, pp: int) -> float:
+    """Equal stages, backward = 2 forwards (split evenly for ZB-H1): (pp-1)/(m+pp-1), (pp-1)/(v*m+pp-1)
+    interleaved, (pp-1)/(3m+pp-1) ZB-H1 (m >= pp)."""
+    v = SCHEDULES[schedule]
+    if schedule == "zb-h1":
+        return (pp - 1) / (3 * m + pp - 1)
+    return (pp - 1) / (v * m + pp - 1)
+
+
+@contextlib.contextmanager
+def fixed_costs(executor, milliseconds: float, virtual_pp: int):
+    """Every op of ``executor`` lasts exactly its share of ``milliseconds`` (the op itself runs inside)."""
+    unit = milliseconds / 1e3 / virtual_pp
+    forward, backward = executor._forward, executor._backward
+
+    def padded(op, cost):
+        def run(*args):
+            start = time.perf_counter()
+            result = op(*args)
+            time.sleep(max(0.0, start + cost(*args) - time.perf_counter()))
+            return result
+        return run
+
+    executor._forward = padded(forward, lambda *args: unit)
+    executor._backward = padded(backward, lambda step, split, *rest: unit if split else 2 * unit)
+    try:
+        yield
+    finally:  # pipeline_ops may have removed the wrappers already
+        vars(executor).pop("_forward", None)
+        vars(executor).pop("_backward", None)
 
 
 # ----- worker ------------------------------------------------------------------------------------
@@ -59,13 +108,15 @@ def measure(args, schedule: str, m: int) -> list[list[tuple]] | None:
     from spans import pipeline_ops
     v = SCHEDULES[schedule]
     overrides = model_overrides(args, f"pipeline/{schedule}-{m}") + [
-        "parallel.tp=1", "parallel.domino=false", f"parallel.pp={PP}", f"parallel.virtual_pp={v}",
-        f"train.global_batch_size={args.micro_batch * m}"]
+        "parallel.tp=1", "parallel.domino=false", f"parallel.pp={args.pp}", f"parallel.virtual_pp={v}",
+        f"parallel.pipeline_schedule={schedule}", f"train.global_batch_size={args.micro_batch * m}"]
     trainer = build_trainer(load_benchmark_config(overrides))
     ops: list[tuple] = []
     record = lambda inst, start, end: ops.append((inst.op, inst.chunk, inst.microbatch, start, end))  # noqa: E731
     steps = []
-    with pipeline_ops(trainer, record):
+    sleep = float(args.stage_cost.split(":")[1]) if args.stage_cost else None
+    padding = fixed_costs(trainer.engine.executor, sleep, v) if sleep else contextlib.nullcontext()
+    with padding, pipeline_ops(trainer, record):
         for step in range(args.warmup + args.rounds):
             ops.clear()
             dist.barrier()
@@ -78,17 +129,16 @@ def measure(args, schedule: str, m: int) -> list[list[tuple]] | None:
     return everyone if dist.get_rank() == 0 else None
 
 
-def analyse(everyone: list, schedule: str, m: int) -> dict:
+def analyse(everyone: list, schedule: str, m: int, pp: int) -> dict:
     """Busy / idle per rank (medians over steps) and the three predictions."""
-    from megatron_domino.pipeline.schedules import build_schedule, schedule_kind, virtual_stage
+    from megatron_domino.pipeline.schedules import build_schedule, virtual_stage
     from megatron_domino.pipeline.simulate import Costs, simulate
     v = SCHEDULES[schedule]
-    kind = schedule_kind(PP, v)
     steps = len(everyone[0])
     busy, idle, makespans = defaultdict(list), defaultdict(list), []
     durations = defaultdict(list)  # (op, virtual stage) -> seconds
     for k in range(steps):
-        per_rank = [everyone[r][k] for r in range(PP)]
+        per_rank = [everyone[r][k] for r in range(pp)]
         start = min(op[3] for ops in per_rank for op in ops)
         end = max(op[4] for ops in per_rank for op in ops)
         makespans.append(end - start)
@@ -96,20 +146,22 @@ def analyse(everyone: list, schedule: str, m: int) -> dict:
             busy[rank].append(sum(e - s for *_, s, e in ops))
             idle[rank].append(end - start - busy[rank][-1])
             for op, chunk, _, s, e in ops:
-                durations[(op, virtual_stage(rank, chunk, PP))].append(e - s)
-    stages = PP * v
-    measured = Costs(forward=[statistics.median(durations[("forward", s)]) for s in range(stages)],
-                     backward=[statistics.median(durations[("backward", s)]) for s in range(stages)])
-    program = build_schedule(kind, PP, m, v)
+                durations[(op, virtual_stage(rank, chunk, pp))].append(e - s)
+    stages = pp * v
+    median = lambda op: [statistics.median(durations[(op, s)]) for s in range(stages)]  # noqa: E731
+    weight = median("backward_weight") if schedule == "zb-h1" else None
+    backward = [b + w for b, w in zip(median("backward"), weight)] if weight else median("backward")
+    measured = Costs(forward=median("forward"), backward=backward, weight=weight)
+    program = build_schedule(schedule, pp, m, v)
     unit, real = simulate(program, m, v), simulate(program, m, v, measured)
     ranks = []
-    for rank in range(PP):
+    for rank in range(pp):
         b, i = statistics.median(busy[rank]), statistics.median(idle[rank])
         ranks.append({"rank": rank, "busy_s": b, "idle_s": i, "idle_fraction": i / (b + i),
                       "sim_measured_idle_fraction": real.idle_fraction[rank],
                       "sim_unit_idle_fraction": unit.idle_fraction[rank]})
     return {"schedule": schedule, "virtual_pp": v, "microbatches": m, "makespan_s": statistics.median(makespans),
-            "closed_form_bubble": closed_form(m, v), "sim_unit_bubble": unit.bubble_fraction,
+            "closed_form_bubble": closed_form(schedule, m, pp), "sim_unit_bubble": unit.bubble_fraction,
             "sim_measured_bubble": real.bubble_fraction, "measured_bubble": sum(r["idle_s"] for r in ranks) /
             sum(r["busy_s"] + r["idle_s"] for r in ranks), "forward_s_per_stage": list(measured.forward),
             "backward_s_per_stage": list(measured.backward), "ranks": ranks}
@@ -123,9 +175,9 @@ def worker(args) -> None:
         for m in (int(x) for x in args.microbatches.split(",")):
             everyone = measure(args, schedule, m)
             if everyone is not None:
-                results.append(analyse(everyone, schedule, m))
+                results.append(analyse(everyone, schedule, m, args.pp))
     if results:
-        write_json(args.json, {"args": vars(args), "pp": PP, "configs": results})
+        write_json(args.json, {"args": vars(args), "pp": args.pp, "configs": results})
 
 
 def report(data: dict) -> str:
@@ -144,6 +196,7 @@ def report(data: dict) -> str:
                for c in data["configs"]]
     return "\n".join([
         f"Pipeline bubble at pp = {data['pp']}: GPT hidden {a['hidden']}, layers {a['layers']}, seq {a['seq']}, "
+        f"{'stage cost ' + a['stage_cost'] + ', ' if a.get('stage_cost') else ''}"
         f"micro batch {a['micro_batch']}; median of {a['rounds']} steps",
         format_table(["schedule", "m", "rank", "busy ms", "idle ms", "idle", "sim measured", "sim unit",
                       "closed form"], rows), "",
@@ -152,8 +205,8 @@ def report(data: dict) -> str:
 
 
 def drive(args) -> None:
-    flags = forward_flags(args, MODEL_FLAGS + ("microbatches", "schedules", "rounds", "warmup", "json"))
-    launch(os.path.abspath(__file__), PP, flags)
+    flags = forward_flags(args, MODEL_FLAGS + ("pp", "microbatches", "schedules", "stage_cost", "rounds", "warmup", "json"))
+    launch(os.path.abspath(__file__), args.pp, flags)
     print(report(read_json(args.json)))
     print(f"results: {args.json}")
 

@@ -266,10 +266,9 @@ def tagged_backward(chunks):
 
 @contextlib.contextmanager
 def pipeline_ops(trainer, record):
-    """Call ``record(instruction, start, end)`` for every forward and backward the trainer's pipeline runs."""
-    from megatron_domino.pipeline import executor as executor_module
+    """Call ``record(instruction, start, end)`` for every forward, backward and W the trainer's pipeline runs."""
     executor = trainer.engine.executor
-    forward, backward = executor._forward, executor_module._backward
+    forward, backward = executor._forward, executor._backward
 
     def timed_forward(instruction, *args):
         start = now()
@@ -277,14 +276,13 @@ def pipeline_ops(trainer, record):
         record(instruction, start, now())
         return output
 
-    def timed_backward(output, grad):
+    def timed_backward(instruction, *args):
         start = now()
-        backward(output, grad)
-        record(executor.current, start, now())
+        backward(instruction, *args)
+        record(instruction, start, now())
 
-    executor._forward, executor_module._backward = timed_forward, timed_backward
+    executor._forward, executor._backward = timed_forward, timed_backward
     try:
         yield
     finally:
-        del executor._forward
-        executor_module._backward = backward
+        del executor._forward, executor._backward

@@ -1,4 +1,5 @@
 """The benchmark harnesses' own arithmetic: the plain reference model, activation accounting, timelines."""
+import itertools
 import os
 import sys
 
@@ -7,11 +8,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
+import checkpoint  # noqa: E402
 import domino  # noqa: E402
 import memory  # noqa: E402
 import pipeline  # noqa: E402
 import plain_pytorch_gpt as plain  # noqa: E402
-from common import forward_flags  # noqa: E402
+from common import MODEL_FLAGS, forward_flags  # noqa: E402
 from spans import SpanRecorder  # noqa: E402
 
 from megatron_domino.config import ModelConfig  # noqa: E402
@@ -61,20 +63,20 @@ def test_compute_spans_are_the_window_minus_blocked_time():
 
 def test_pipeline_analysis_of_a_simulated_timeline_reproduces_the_simulation():
     """Feed the simulator's own op times in as 'measured': busy, idle and every prediction must agree."""
-    from megatron_domino.pipeline.schedules import build_schedule, schedule_kind
+    from megatron_domino.pipeline.schedules import build_schedule
     from megatron_domino.pipeline.simulate import simulate
-    for schedule, v in pipeline.SCHEDULES.items():
+    for (schedule, v), pp in itertools.product(pipeline.SCHEDULES.items(), (2, 4)):
         m = 8
-        result = simulate(build_schedule(schedule_kind(pipeline.PP, v), pipeline.PP, m, v), m, v)
+        result = simulate(build_schedule(schedule, pp, m, v), m, v)
         steps = [[(s.instruction.op, s.instruction.chunk, s.instruction.microbatch, s.start, s.end) for s in row]
                  for row in result.spans]
-        analysis = pipeline.analyse([[ops] for ops in steps], schedule, m)
-        assert analysis["closed_form_bubble"] == pytest.approx(pipeline.closed_form(m, v))
+        analysis = pipeline.analyse([[ops] for ops in steps], schedule, m, pp)
+        assert analysis["closed_form_bubble"] == pytest.approx(pipeline.closed_form(schedule, m, pp))
         for rank, row in enumerate(analysis["ranks"]):
             assert row["idle_fraction"] == pytest.approx(result.idle_fraction[rank])
             assert row["sim_measured_idle_fraction"] == pytest.approx(result.idle_fraction[rank])
-        if v == 1:  # equal stages, backward = 2 x forward: the closed form is exact
-            assert analysis["measured_bubble"] == pytest.approx(pipeline.closed_form(m, 1))
+        if v == 1:  # equal stages, backward = 2 x forward (ZB-H1: B = W = forward): the closed form is exact
+            assert analysis["measured_bubble"] == pytest.approx(pipeline.closed_form(schedule, m, pp))
 
 
 def test_driver_flags_reach_the_worker_unchanged():
@@ -83,3 +85,15 @@ def test_driver_flags_reach_the_worker_unchanged():
     assert (again.hidden, again.bf16, again.rounds, again.modes) == (256, False, 2, "sync,row-inter,nocomm")
     with pytest.raises(SystemExit):
         domino.parse_args(["--modes", "sync,row-inter"])  # no nocomm: the hidden fraction is undefined
+
+
+def test_checkpoint_small_preset_reaches_the_worker_and_the_table_takes_the_slowest_rank():
+    small = checkpoint.parse_args(["--small"])
+    worker = checkpoint.parse_args(forward_flags(small, MODEL_FLAGS) + ["--worker"])
+    assert {name: getattr(worker, name) for name in checkpoint.SMALL} == checkpoint.SMALL
+    mib = checkpoint.MIB
+    ranks = [{"variant": "new async", "blocking_s": 1.0, "total_s": 3.0, "load_s": 0.5, "peak_bytes": 5 * mib,
+              "before_bytes": 1 * mib, "own_bytes": 2 * mib},
+             {"variant": "new async", "blocking_s": 2.0, "total_s": 2.5, "load_s": 0.25, "peak_bytes": 3 * mib,
+              "before_bytes": 1 * mib, "own_bytes": 4 * mib}]
+    assert checkpoint.summarize(ranks) == [["new async", "2.00", "3.00", "0.50", "5 / 4", "4 / 3", "4 / 3"]]

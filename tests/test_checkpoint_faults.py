@@ -5,6 +5,7 @@ that nothing already published is lost."""
 import contextlib
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -15,12 +16,13 @@ import pytest
 import torch
 
 from megatron_domino import checkpoint_format as fmt
+from megatron_domino.checkpoint_format import tensors
 from megatron_domino.config import load_config
 from megatron_domino.config.errors import CheckpointError, LaunchError
 from megatron_domino.models.language_model import LanguageModel
 from megatron_domino.parallel.launch import device_for
 from megatron_domino.training import cli
-from megatron_domino.training.checkpoint import load_checkpoint
+from megatron_domino.training.checkpoint import Checkpointer
 from megatron_domino.training.checkpoint_dir import LOCK, prepare_run_dirs
 from tests.test_runtime_faults import raised
 from tests.training_runs import REPO, TINY, command, environment, kill_group, metrics, start, train, wait_for_step
@@ -169,16 +171,33 @@ def _edit_metadata(step_dir: str, **changes) -> None:
         json.dump({**meta, **changes}, f)
 
 
+SHARD = "__0_0.distcp"  # what the single rank of the fixture wrote
+
+
+class _RunsCode:
+    """Unpickles to a shell command: a checkpoint index must never be loaded with plain pickle."""
+
+    def __reduce__(self):
+        return os.system, ("echo unpickled",)
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
 DAMAGE = {
     "negative consumed_samples": (lambda s: _edit_metadata(s, consumed_samples=-50),
                                   "consumed_samples = -50 is not a non-negative integer"),
     "step of another folder": (lambda s: _edit_metadata(s, step=7),
                                "step = 7 differs from its folder's step 3"),
     "truncated metadata": (lambda s: _truncate(os.path.join(s, fmt.METADATA), 40), "metadata.json is not valid JSON"),
-    "truncated safetensors": (lambda s: _truncate(os.path.join(s, fmt.stage_file("model", 0)), 3000),
-                              f"{fmt.stage_file('model', 0)} is unreadable or truncated"),
-    "missing shard": (lambda s: os.remove(os.path.join(s, fmt.stage_file("model", 0))),
-                      f"lacks {fmt.stage_file('model', 0)} (saved at pp = 1"),
+    "truncated shard": (lambda s: _truncate(os.path.join(s, SHARD), 3000), f"{SHARD} is truncated (3000 of "),
+    "missing shard": (lambda s: os.remove(os.path.join(s, SHARD)), f"{SHARD} is missing"),
+    "missing index": (lambda s: os.remove(os.path.join(s, tensors.INDEX)), "/.metadata (the tensor index) is missing or damaged"),
+    "edited index": (lambda s: _truncate(os.path.join(s, tensors.INDEX), 500), "/.metadata (the tensor index) is missing or damaged"),
+    "index that runs code": (lambda s: _write_bytes(os.path.join(s, tensors.INDEX), pickle.dumps(_RunsCode())),
+                             "system is not part of a checkpoint index"),
     "latest names a missing step": (lambda s: _write(os.path.join(os.path.dirname(s), fmt.LATEST),
                                                      '{"step": 9, "dir": "step_00000009"}'),
                                     "latest names step_00000009, which does not exist"),
@@ -203,8 +222,8 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_intact_steps(ro
             param.fill_(0.25)
     state = SimpleNamespace(tp_rank=0, tp_size=1, pp_size=1, dp_size=1, virtual_pp=1, rank=0)
     with pytest.raises(CheckpointError) as raised_error:
-        load_checkpoint(fmt.resolve_load_path("auto", root), chunks=[model], optimizer=None, schedule=None,
-                        cfg=cfg, state=state)
+        Checkpointer(cfg, state).load(fmt.resolve_load_path("auto", root), chunks=[model], optimizer=None,
+                                      schedule=None)
     message = str(raised_error.value)
     assert words in message, message
     newest = STEP3 if "latest" in case else STEP2  # a damaged latest leaves step 3 itself intact

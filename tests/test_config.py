@@ -189,6 +189,10 @@ INVALID = [  # (overrides, world size, offending key)
     (["parallel.virtual_pp=2"], 1, "parallel.virtual_pp"),                 # needs pp > 1
     (["parallel.pp=2", "parallel.virtual_pp=2", "model.num_layers=4", "train.global_batch_size=6"], 2,
      "parallel.virtual_pp"),                                               # 3 micro-batches, not a multiple of pp
+    (["parallel.pp=2", "parallel.virtual_pp=2", "model.num_layers=4", "parallel.pipeline_schedule=zb-h1"], 2,
+     "parallel.pipeline_schedule"),                                        # one chunk per rank
+    (["parallel.pp=2", "parallel.pipeline_schedule=interleaved"], 2, "parallel.pipeline_schedule"),
+    (["parallel.pipeline_schedule=zb_h1"], 1, "parallel.pipeline_schedule"),
     (["train.global_batch_size=7"], 1, "train.global_batch_size"),
     (["parallel.dp=3"], 3, "train.global_batch_size"),                     # 8 % (2 * 3)
     (["train.micro_batch_size=0"], 1, "train.micro_batch_size"),

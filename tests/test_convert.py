@@ -1,4 +1,5 @@
-"""tools/convert_checkpoint.py: HF <-> native round trips, logits against transformers, reshard, config parsing.
+"""tools/convert_checkpoint.py: HF <-> native round trips, logits against transformers, reshard, the upgrade of a
+version-1 checkpoint, config parsing.
 
 Tiny random HF models are built from configs and saved locally (one file, and sharded with an index);
 nothing is downloaded. References are transformers itself and the HF files as saved by transformers.
@@ -14,12 +15,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from megatron_domino.checkpoint_format import resolve_load_path
-from megatron_domino.config import ConfigError, load_config
+from megatron_domino import checkpoint_format as fmt
+from megatron_domino.checkpoint_format import resolve_load_path, tensors
+from megatron_domino.config import ConfigError, config_to_dict, load_config
+from megatron_domino.config.errors import CheckpointError
 from megatron_domino.convert.convert import hf_to_native, native_to_hf, reshard
 from megatron_domino.convert.hf_config import model_config_from_hf
-from megatron_domino.models import LanguageModel
-from megatron_domino.training.checkpoint import load_checkpoint
+from megatron_domino.convert import native_io
+from megatron_domino.convert.native_io import NativeTensors
+from megatron_domino.models import LanguageModel, full_state_dict
+from megatron_domino.models.init import initialize_weights
+from megatron_domino.training.checkpoint import Checkpointer
 
 transformers = pytest.importorskip("transformers")
 _CLI = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "convert_checkpoint.py")
@@ -82,13 +88,23 @@ def _file_keys(path):
         return set(f.keys())
 
 
+def _native_tensors(root):
+    """Every stored weight of a native checkpoint root, by name."""
+    source = NativeTensors(resolve_load_path(root, None))
+    return {name: source.get(name) for name in source.keys()}
+
+
+def _load_into(model, path, cfg):
+    """Load ``path`` into a tp=1 single-stage ``model`` with the training loader itself; returns the metadata."""
+    state = SimpleNamespace(tp_rank=0, tp_size=1, pp_size=1, dp_size=1, virtual_pp=1, rank=0)
+    return Checkpointer(cfg, state).load(path, chunks=[model], optimizer=None, schedule=None)
+
+
 def _load_native(root, model_cfg):
     """A tp=1 single-stage model filled by the training loader itself from the converted checkpoint."""
     model = LanguageModel(model_cfg).eval()
     cfg = load_config(os.path.join(root, "config.yaml"), ["parallel.tp=1", "parallel.pp=1"])
-    state = SimpleNamespace(tp_rank=0, tp_size=1, pp_size=1, dp_size=1, virtual_pp=1, rank=0)
-    metadata = load_checkpoint(resolve_load_path(cfg.checkpoint.load, None), chunks=[model], optimizer=None,
-                               schedule=None, cfg=cfg, state=state)
+    metadata = _load_into(model, resolve_load_path(cfg.checkpoint.load, None), cfg)
     assert metadata["step"] == 0 and metadata["has_optimizer"] is False
     return model
 
@@ -105,14 +121,14 @@ def test_round_trip_is_bit_exact_and_logits_match(hf_models, tmp_path, name):
         meta = json.load(f)
     assert meta["layout"] == {"tp": 2, "pp": 2, "dp": None, "virtual_pp": 1, "zero_stage": None}
     assert meta["has_optimizer"] is False and meta["config"]["parallel"]["tp"] == 2
-    # stage 0 holds the embedding and layers 0-1, stage 1 layers 2-3 and the final norm
-    first, last = _file_keys(os.path.join(step, "model-pp000.safetensors")), \
-        _file_keys(os.path.join(step, "model-pp001.safetensors"))
-    assert "embedding.word_embeddings.weight" in first and "final_norm.weight" in last
-    assert {n.split(".")[1] for n in first if n.startswith("layers.")} == {"0", "1"}
-    assert {n.split(".")[1] for n in last if n.startswith("layers.")} == {"2", "3"}
-    assert ("output_layer.weight" in last) == (name == "llama")  # a tied head is the embedding, stored once
-    assert ("layers.0.attention.qkv.bias" in first) == (name != "llama")
+    # layout-free: every weight stored whole, once, under its global name
+    index = tensors.read_index(step)
+    stored = {n.removeprefix("model/"): md for n, md in index.state_dict_metadata.items()}
+    assert {n.split(".")[1] for n in stored if n.startswith("layers.")} == {"0", "1", "2", "3"}
+    assert all(len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == tuple(md.size) for md in stored.values())
+    assert "embedding.word_embeddings.weight" in stored and "final_norm.weight" in stored
+    assert ("output_layer.weight" in stored) == (name == "llama")  # a tied head is the embedding, stored once
+    assert ("layers.0.attention.qkv.bias" in stored) == (name != "llama")
 
     cfg = load_config(os.path.join(native, "config.yaml"))
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.checkpoint.load) == (2, 2, os.path.abspath(native))
@@ -160,8 +176,7 @@ def test_gpt2_files_without_transformer_prefix(hf_models, tmp_path):
     save_file({k.removeprefix("transformer."): v for k, v in tensors.items()}, str(bare / "model.safetensors"))
     hf_to_native(str(bare), str(tmp_path / "a"), quiet=True)
     hf_to_native(hf_dir, str(tmp_path / "b"), quiet=True)
-    a = load_file(str(tmp_path / "a" / "step_00000000" / "model-pp000.safetensors"))
-    b = load_file(str(tmp_path / "b" / "step_00000000" / "model-pp000.safetensors"))
+    a, b = _native_tensors(str(tmp_path / "a")), _native_tensors(str(tmp_path / "b"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in b)
 
 
@@ -184,30 +199,42 @@ def test_rope_scaling_and_rope_parameters_spellings_agree():
     assert odd_head.kv_channels == 16 and odd_head.head_dim == 16
 
 
-def test_reshard_regroups_model_and_optimizer_files(hf_models, tmp_path):
+def test_reshard_retargets_the_layout_and_copies_the_tensors(hf_models, tmp_path):
     native, again = str(tmp_path / "native"), str(tmp_path / "tp1pp4")
     hf_to_native(hf_models["llama"][1], native, tp=2, pp=2, quiet=True)
-    step = os.path.join(native, "step_00000000")
-    weights = {}
-    for name in sorted(os.listdir(step)):
-        if name.startswith("model-"):
-            weights.update(load_file(os.path.join(step, name)))
-    optim = {f"{n}/exp_avg": torch.randn(t.shape) for n, t in weights.items()}
-    save_file(optim, os.path.join(step, "optim-pp000.safetensors"))
     reshard(native, again, tp=1, pp=4, quiet=True)
-    out = os.path.join(again, "step_00000000")
-    with open(os.path.join(out, "metadata.json")) as f:
+    with open(os.path.join(again, "step_00000000", "metadata.json")) as f:
         meta = json.load(f)
     assert (meta["layout"]["tp"], meta["layout"]["pp"]) == (1, 4)
     assert (meta["config"]["parallel"]["tp"], meta["config"]["parallel"]["pp"]) == (1, 4)
-    for prefix, expected in (("model", weights), ("optim", optim)):
-        got = {}
-        for stage in range(4):  # 4 layers on 4 stages: stage k holds layer k
-            part = load_file(os.path.join(out, f"{prefix}-pp{stage:03d}.safetensors"))
-            assert {n.split(".")[1] for n in part if n.startswith("layers.")} == {str(stage)}
-            got.update(part)
-        assert set(got) == set(expected)
-        assert all(torch.equal(got[n], t) for n, t in expected.items())
+    weights, moved = _native_tensors(native), _native_tensors(again)
+    assert set(moved) == set(weights) and all(torch.equal(moved[n], t) for n, t in weights.items())
+
+
+def test_a_version_1_checkpoint_is_refused_with_the_upgrade_and_upgrades_exactly(tmp_path, monkeypatch):
+    """Today's reader refuses the old full-tensor safetensors layout naming the command; the command converts it
+    tensor by tensor, in row blocks (small here, to have many), and the training loader then reads the same
+    weights."""
+    monkeypatch.setattr(native_io, "BLOCK_BYTES", 4096)
+    cfg = load_config(os.path.join(os.path.dirname(_CLI), os.pardir, "configs", "tiny", "llama.yaml"))
+    model, fresh = LanguageModel(cfg.model), LanguageModel(cfg.model)
+    initialize_weights(model, seed=1)
+    initialize_weights(fresh, seed=2)
+    old = tmp_path / "old" / "step_00000007"
+    old.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in full_state_dict(model).items()}, str(old / "model-pp000.safetensors"))
+    meta = {**fmt.metadata(7, config_to_dict(cfg), fmt.layout(1, 1, 1, 1, 1)), "version": 1}
+    (old / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"version-1 checkpoint .* Fix: python tools/convert_checkpoint.py "
+                                              r"upgrade --input"):
+        _load_into(fresh, str(old), cfg)
+    assert cli.main(["upgrade", "--input", str(old), "--output", str(tmp_path / "new"), "--quiet"]) == 0
+    new = resolve_load_path(str(tmp_path / "new"), None)
+    embedding = tensors.read_index(new).state_dict_metadata["model/embedding.word_embeddings.weight"]
+    assert len(embedding.chunks) == -(-embedding.size[0] * embedding.size[1] * 4 // 4096)  # 4096-byte row blocks
+    assert _load_into(fresh, new, cfg)["step"] == 7
+    for (name, expected), (_, loaded) in zip(model.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(loaded, expected), name
 
 
 def test_errors_name_the_problem(hf_models, tmp_path):

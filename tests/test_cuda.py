@@ -73,3 +73,12 @@ def test_sync_debug_mode_raises_on_a_host_sync():
             x.item()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_micro_batches_reach_the_device_through_the_side_stream():
+    from megatron_domino.pipeline.device_batches import DeviceBatches
+    host = [{"tokens": torch.arange(8).view(2, 4) + i} for i in range(3)]
+    batches = DeviceBatches(host, torch.device("cuda", 0))
+    for i in range(3):
+        tokens = batches[i]["tokens"]
+        assert tokens.device.type == "cuda" and torch.equal(tokens.cpu(), host[i]["tokens"])

@@ -54,3 +54,26 @@ def test_logits_match_transformers(cfg, build, kind):
         if name in back:
             assert torch.equal(back[name], tensor), name
     assert set(back) >= {n for n in hf.state_dict() if "attn.bias" not in n and "masked_bias" not in n}
+
+
+def test_grouped_query_attention_hands_sdpa_uncopied_keys_and_values():
+    """GQA: SDPA gets K and V with one head per group (``enable_gqa``), never a copy per query head."""
+    from torch.overrides import TorchFunctionMode
+
+    class Calls(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.kv_heads, self.repeats = [], 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name == "scaled_dot_product_attention":
+                self.kv_heads.append((args[0].shape[1], args[1].shape[1], args[2].shape[1]))
+            self.repeats += name == "repeat_interleave"
+            return func(*args, **(kwargs or {}))
+
+    model = LanguageModel(LLAMA)
+    with Calls() as calls:
+        model(None, {"tokens": torch.randint(0, LLAMA.vocab_size, (2, LLAMA.seq_length))}, return_logits=True)
+    assert calls.kv_heads == [(LLAMA.num_attention_heads, LLAMA.query_groups, LLAMA.query_groups)] * LLAMA.num_layers
+    assert calls.repeats == 0

@@ -17,11 +17,11 @@ from megatron_domino.pipeline.simulate import Costs, ScheduleError, simulate
 from megatron_domino.pipeline.timeline import render_timeline
 
 _OPS = {"rF": "recv_forward", "F": "forward", "sF": "send_forward",
-        "rB": "recv_backward", "B": "backward", "sB": "send_backward"}
+        "rB": "recv_backward", "B": "backward", "sB": "send_backward", "W": "backward_weight"}
 
 
 def _instruction(token):
-    prefix, mb, chunk = re.fullmatch(r"([rs]?[FB])(\d+)(?:\.(\d+))?", token).groups()
+    prefix, mb, chunk = re.fullmatch(r"([rs]?[FB]|W)(\d+)(?:\.(\d+))?", token).groups()
     return Instruction(_OPS[prefix], int(mb), int(chunk or 0))
 
 
@@ -175,6 +175,27 @@ def test_cli(capsys):
     assert "parallel.pp = 4" in capsys.readouterr().err
 
 
+def test_zb_h1_matches_its_closed_form_and_holds_1f1b_memory():
+    """ZB-H1 under NCCL's rules (the simulator): with F = B = W (the backward split evenly) and m >= pp every rank
+    idles (pp-1)(F + B - W) of m(F + B + W) + (pp-1)(F + B - W), i.e. bubble (pp-1)/(3m + pp-1), a third of 1F1B's;
+    it holds at most pp micro-batches (F to W) on every rank, 1F1B's peak; every (pp, m) up to 8, 32 finishes."""
+    for pp in range(1, 9):
+        for m in range(1, 33):
+            schedule = build_schedule("zb-h1", pp, m)
+            result = simulate(schedule, m, costs=Costs(forward=1, backward=2))
+            simulate(build_schedule("zb-h1", pp, m, forward_only=True), m, forward_only=True)
+            assert result.max_in_flight == [min(pp, m)] * pp
+            for rank, program in enumerate(schedule):
+                assert Counter(computes(program, "backward_weight")) == Counter((0, mb) for mb in range(m))
+            if m >= pp:
+                assert result.makespan == 3 * m + pp - 1
+                assert all(abs(x - (pp - 1) / (3 * m + pp - 1)) < 1e-12 for x in result.idle_fraction)
+    one, zb = (simulate(build_schedule(k, 4, 16), 16).bubble_fraction for k in ("1f1b", "zb-h1"))
+    assert zb < one / 2  # the issue's target at pp 4, m 16: 0.059 against 0.158
+    assert build_schedule("zb-h1", 2, 2) == [parse("F0 [sF0] F1 [sF1 rB0] B0 W0 [rB1] B1 W1"),
+                                             parse("[rF0] F0 [rF1] B0 [sB0] F1 B1 [sB1] W0 W1")]
+
+
 @pytest.mark.parametrize("args, words", [
     (("none", 2, 4), ["parallel.pp = 2", "fix"]),
     (("1f1b", 2, 4, 2), ["parallel.virtual_pp = 2", "interleaved"]),
@@ -182,7 +203,8 @@ def test_cli(capsys):
     (("interleaved", 2, 4, 1), ["parallel.virtual_pp = 1", "fix"]),
     (("interleaved", 4, 6, 2), ["train.global_batch_size", "= 6", "parallel.pp = 4", "parallel.virtual_pp", "fix"]),
     (("1f1b", 2, 0), ["train.global_batch_size", "fix"]),
-    (("gpipe", 2, 4), ["'gpipe'", "1f1b"]),
+    (("gpipe", 2, 4), ["'gpipe'", "1f1b", "zb-h1"]),
+    (("zb-h1", 2, 4, 2), ["'zb-h1'", "parallel.virtual_pp = 2", "fix"]),
 ])
 def test_build_errors(args, words):
     with pytest.raises(ValueError) as err:
@@ -234,6 +256,12 @@ def test_simulator_finds_the_unbatched_deadlock_and_proves_the_grouped_schedules
                 except ScheduleError:
                     hung += 1
     assert hung >= 0.9 * sum(len(range(pp, 33, pp)) for pp in range(2, 9)) * 4  # the old order hangs almost always
+
+
+def test_print_schedule_shows_zb_h1(capsys):
+    assert print_schedule.main(["--pp", "4", "--microbatches", "8", "--kind", "zb-h1", "--ops"]) == 0
+    out = capsys.readouterr().out
+    assert "bubble fraction 0.1111" in out and " W7" in out and "[sB0]" in out
 
 
 def test_print_schedule_shows_the_groups(capsys):

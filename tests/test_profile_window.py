@@ -24,3 +24,24 @@ def test_the_trace_of_the_window_names_every_range(tmp_path):
     assert not missing, f"{missing} not among {sorted(n for n in names if n and n[0].islower())[:40]}"
     if wandb:
         assert glob.glob(os.path.join(tmp_path, "wandb", "offline-run-*", "run-*.wandb"))
+
+
+def test_running_out_of_device_memory_dumps_the_allocators_history(tmp_path, monkeypatch):
+    """log.oom_snapshot: history recorded from the start, dumped on OutOfMemoryError, which still propagates.
+    (The CUDA allocator calls are stood in for: CI has no GPU; on the CPU the snapshot is off.)"""
+    import pytest
+    import torch
+
+    from megatron_domino.training.profiling import OomSnapshot
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(("record", kw)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", path)))
+    snapshot = OomSnapshot(str(tmp_path), 3, torch.device("cuda", 0), enabled=True)
+    with snapshot.watching():
+        pass
+    assert calls == [("record", {"max_entries": 100_000})]
+    with pytest.raises(torch.cuda.OutOfMemoryError), snapshot.watching():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert calls[-1] == ("dump", os.path.join(str(tmp_path), "profile", "oom-rank3.pickle"))
+    assert not OomSnapshot(str(tmp_path), 0, torch.device("cpu"), enabled=True).enabled

@@ -11,6 +11,10 @@ depend on the summation order, so no two implementations could agree there.
 
 Relative error is per tensor: ||actual - expected|| / ||expected||.
 """
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,10 +23,13 @@ from megatron_domino.config import ModelConfig
 from megatron_domino.config.errors import ConfigError
 from megatron_domino.config.schema import OptimizerConfig
 from megatron_domino.models import LanguageModel, initialize_weights
+from megatron_domino.checkpoint_format import tensors
 from megatron_domino.optim.distributed_optimizer import DistributedOptimizer
 from megatron_domino.optim.grad_buffer import ALIGN, plan_buckets
+from megatron_domino.optim.sharded_state import ShardedStateLoad, checkpoint_meta
 from megatron_domino.tensor_parallel import TPContext
 from megatron_domino.tensor_parallel.sequence_parallel import allreduce_sequence_parallel_grads
+from megatron_domino.training.checkpoint import model_state, model_targets, optimizer_state, optimizer_targets
 from tests.harness import run_ranks
 from tests.test_tensor_parallel import _shard_of
 
@@ -152,7 +159,7 @@ def check_fp16_overflow(group, dp_rank, dp, data):
     backward_step(model, dopt, *data[0], dp_rank, dp)
     assert dopt.step(LR)[0]
     weights = {name: p.detach().clone() for name, p in model.named_global_parameters()}
-    state = dopt.state_dict_for_checkpoint()
+    state = _optimizer_snapshot(dopt)
     backward_step(model, dopt, *data[1], dp_rank, dp)
     if dp_rank == dp - 1:
         owned = next(dopt.reduced_grad(p) for p in model.parameters() if dopt.reduced_grad(p).numel())
@@ -161,14 +168,17 @@ def check_fp16_overflow(group, dp_rank, dp, data):
     assert dopt.skipped_steps == 1 and dopt.loss_scale == 2.0**11
     for name, param in model.named_global_parameters():
         assert torch.equal(param, weights[name]), f"{name} changed in a skipped step"
-    after = dopt.state_dict_for_checkpoint()
-    if dp_rank == 0:
-        assert after["step"] == state["step"] == 1
-        for name, entry in state["params"].items():
-            for key, value in entry.items():
-                assert torch.equal(after["params"][name][key], value), f"{name}/{key} changed in a skipped step"
+    assert dopt.steps == 1
+    for key, value in _optimizer_snapshot(dopt).items():
+        assert torch.equal(value, state[key]), f"{key} changed in a skipped step"
     backward_step(model, dopt, *data[2], dp_rank, dp)
     assert dopt.step(LR)[0] and dopt.skipped_steps == 1
+
+
+def _optimizer_snapshot(dopt) -> dict:
+    """A copy of this rank's masters and optimizer states, by fragment and key."""
+    return {(i, key): value.detach().clone() for i, master in enumerate(dopt.masters)
+            for key, value in {"master": master, **dopt.optimizer.state.get(master, {})}.items()}
 
 
 def check_bf16_and_memory(group, dp_rank, dp, data) -> dict:
@@ -227,8 +237,13 @@ def check_tensor_and_data_parallel(rank, data, ref_adamw):
                 assert torch.equal(copies[0], copies[1]), f"{name} differs across TP ranks"
 
 
+def _save(model, dopt, path, group) -> None:
+    tensors.write(path, {**model_state([model], 0), **optimizer_state(dopt)}, group=group)
+
+
 def check_checkpoint_reshard(rank, data):
-    """Saved at dp = 2 (ZeRO-1), loaded at dp = 4 (ZeRO-2): same state, same next step."""
+    """Saved at dp = 2 (ZeRO-1, two replicas), loaded at dp = 4 (ZeRO-2): each rank reads only its new shard;
+    same state (saved again, every stored tensor is bit-identical), same next step."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     everyone = dist.new_group([0, 1, 2, 3])
     small = new_model()
@@ -237,22 +252,26 @@ def check_checkpoint_reshard(rank, data):
     for tokens, labels in data[:2]:
         backward_step(small, small_opt, tokens, labels, rank % 2, 2)
         small_opt.step(LR)
-    saved = small_opt.state_dict_for_checkpoint()
-    assert (saved is None) == (rank % 2 == 1)
-    box = [saved]
+    box = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    saved = box[0]
+    first, second = os.path.join(box[0], "dp2"), os.path.join(box[0], "dp4")
+    _save(small, small_opt, first, everyone)
     big = new_model(seed=SEED + 1)
     big_opt = DistributedOptimizer([big], optimizer_config(zero_stage=2), dp_group=everyone, tp_rank=0,
                                    norm_groups=[])
-    big_opt.load_state_dict_from_checkpoint(saved)
-    resaved = big_opt.state_dict_for_checkpoint()
+    loading = ShardedStateLoad(big_opt, checkpoint_meta(small_opt))
+    tensors.read(first, {**model_targets([big], 0), **optimizer_targets(loading)}, group=everyone)
+    loading.apply()
+    assert big_opt.steps == 2 and checkpoint_meta(big_opt) == checkpoint_meta(small_opt)
+    _save(big, big_opt, second, everyone)
     if rank == 0:
-        assert resaved["step"] == saved["step"] == 2 and resaved["scaler"] == saved["scaler"]
-        for name, entry in saved["params"].items():
-            assert set(entry) == {"master", "exp_avg", "exp_avg_sq"}
-            for key, value in entry.items():
-                assert torch.equal(resaved["params"][name][key], value), f"{name}/{key} after the round trip"
+        before, after = tensors.SafeReader(first), tensors.SafeReader(second)
+        names = tensors.stored_tensors(before.read_metadata())
+        assert set(names) == set(tensors.stored_tensors(after.read_metadata()))
+        assert {n.rsplit("/", 1)[1] for n in names if n.startswith("optim/")} == {"master", "exp_avg", "exp_avg_sq"}
+        for name in names:
+            assert torch.equal(tensors.read_full(first, name, before), tensors.read_full(second, name, after)), name
+        shutil.rmtree(box[0])
     backward_step(small, small_opt, *data[2], rank % 2, 2)
     small_opt.step(LR)
     backward_step(big, big_opt, *data[2], rank, 4)

@@ -78,6 +78,7 @@ AXES = ("tp", "dp", "pp")  # parallel.order is these joined by '-', innermost fi
 DOMINO_SPLITS = ("row", "column", "2d")
 DOMINO_OVERLAPS = ("intra", "inter")
 PIPELINE_PARTITIONS = ("uniform", "parameters")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1")
 BACKENDS = ("auto", "nccl", "gloo")
 
 
@@ -97,6 +98,8 @@ class ParallelConfig:
     domino_overlap: str = "inter"  # DOMINO_OVERLAPS
     pipeline_partition: str = "uniform"  # PIPELINE_PARTITIONS
     pipeline_layout: Optional[list] = None  # explicit layers per stage, e.g. [3, 5]
+    # PIPELINE_SCHEDULES; None: interleaved when virtual_pp > 1, else 1f1b. zb-h1: zero-bubble (split backward)
+    pipeline_schedule: Optional[str] = None
     variable_seq_lengths: bool = False
     backend: str = "auto"  # BACKENDS
     timeout_s: float = 600.0  # watchdog: seconds without progress before a rank reports the hang and exits
@@ -207,6 +210,7 @@ class CheckpointConfig:
     load: Optional[str] = None  # a checkpoint directory, or "auto" for the latest in `dir`
     keep: int = 2  # newest checkpoints kept; 0 keeps all
     save_at_end: bool = True
+    async_save: bool = False  # stage to host memory, write in the background; training goes on meanwhile
     save_timeout_s: float = 3600.0  # budget of a save: the watchdog's limit and each wait for the other ranks
     load_timeout_s: float = 3600.0  # budget of a load, likewise
     free_space: str = "warn"  # FREE_SPACE: less free space than one checkpoint at start-up warns or fails
@@ -227,6 +231,7 @@ class LogConfig:
     straggler_interval: int = 0  # every N steps rank 0 reports the slowest ranks' compute time (0: off)
     profile_steps: Optional[list] = None  # [start, end]: torch.profiler trace per rank over these steps
     profile_memory: bool = False  # CUDA only: a memory snapshot over the profile window
+    oom_snapshot: bool = False  # CUDA only: record the allocator's history; dump it if a step runs out of memory
 
 
 @dataclass

@@ -27,6 +27,7 @@ from .schema import (
     NORMS,
     OPTIMIZERS,
     PIPELINE_PARTITIONS,
+    PIPELINE_SCHEDULES,
     POSITION_EMBEDDINGS,
     RECOMPUTE,
     TOKENIZERS,
@@ -150,6 +151,15 @@ def _check_layout(c: _Checks, cfg: Config) -> None:
     if p.virtual_pp > 1 and p.pp == 1:
         c.fail("parallel.virtual_pp", p.virtual_pp, "needs parallel.pp > 1 (interleaving splits pipeline stages)",
                "set parallel.virtual_pp=1 or parallel.pp >= 2")
+    if p.pipeline_schedule is not None:
+        c.one_of("parallel.pipeline_schedule", p.pipeline_schedule, PIPELINE_SCHEDULES)
+        if p.pipeline_schedule == "interleaved" and p.virtual_pp == 1 and p.pp > 1:
+            c.fail("parallel.pipeline_schedule", p.pipeline_schedule, "needs parallel.virtual_pp > 1",
+                   "set parallel.virtual_pp >= 2, or parallel.pipeline_schedule=1f1b or zb-h1")
+        elif p.pipeline_schedule in ("1f1b", "zb-h1") and p.virtual_pp > 1:
+            c.fail("parallel.pipeline_schedule", p.pipeline_schedule, f"holds one model chunk per pipeline rank, "
+                   f"but parallel.virtual_pp = {p.virtual_pp}",
+                   "set parallel.virtual_pp=1, or parallel.pipeline_schedule=interleaved")
     if p.pipeline_layout is not None:
         layout = p.pipeline_layout
         if len(layout) != chunks:

@@ -1,9 +1,12 @@
-"""The three offline conversions: HF -> native, native -> HF, and native -> native at another layout.
+"""The offline conversions: HF -> native, native -> HF, native -> native at another layout, and the upgrade of
+a version-1 native checkpoint.
 
-Each works in two passes over conversion groups (the embedding, each layer, the final norm and head):
-first on shape-only "meta" tensors, which fixes every output file's contents and header; then on the
-real tensors, one group at a time, each tensor written to its file and dropped. Peak memory is one
-layer, so a 70B model converts on a machine that could not hold it once, let alone twice.
+HF conversions work in two passes over conversion groups (the embedding, each layer, the final norm and
+head): first on shape-only "meta" tensors, which fixes every output file's contents and header; then on
+the real tensors, one group at a time, each tensor written and dropped. Native checkpoints are read one
+tensor at a time. Peak memory is one layer, so a 70B model converts on a machine that could not hold it
+once, let alone twice. Native tensors are layout-free, so a reshard copies the files and rewrites the
+metadata.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import shutil
 import sys
 from dataclasses import replace
 
+from .. import checkpoint_format as fmt
 from ..checkpoint_format import publish_step_dir, start_step_dir
 from ..config import config_to_dict, save_config
 from ..data.progress import Progress
@@ -27,6 +31,7 @@ from .hf_config import (
 from .hf_io import (
     INDEX_FILE,
     SafetensorsWriter,
+    TensorFiles,
     nbytes,
     open_hf_checkpoint,
     parse_size,
@@ -35,15 +40,7 @@ from .hf_io import (
     write_hf_index,
 )
 from .hf_mapping import group_of, groups, hf_group_to_native, native_group_to_hf
-from .native_io import (
-    check_layout,
-    file_of,
-    layout,
-    model_only_metadata,
-    native_tensors,
-    open_native,
-    stage_files,
-)
+from .native_io import MODEL, NativeTensors, check_layout, layout, model_only_metadata, open_native, write_native
 
 # Stored tensors no HF model parameter corresponds to (attention-mask and RoPE buffers of older files).
 _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
@@ -59,14 +56,18 @@ def _plan(group_list, produce) -> dict:
     return specs
 
 
+def _progress(specs: dict, label: str, quiet: bool) -> Progress:
+    return Progress(sum(nbytes(*s) for s in specs.values()), f"{label}: ", unit="tensors", total_items=len(specs),
+                    quiet=quiet)
+
+
 def _write(group_list, produce, specs: dict, file_for: dict, out_dir: str, label: str, quiet: bool,
            metadata: dict | None = None) -> None:
     """Produce the real tensors group by group; each goes straight into its planned file."""
     per_file: dict[str, dict] = {}
     for name, spec in specs.items():
         per_file.setdefault(file_for[name], {})[name] = spec
-    progress = Progress(sum(nbytes(*s) for s in specs.values()), f"{label}: ", unit="tensors", total_items=len(specs),
-                        quiet=quiet)
+    progress = _progress(specs, label, quiet)
     writers = {}
     try:
         for group in group_list:
@@ -85,6 +86,22 @@ def _write(group_list, produce, specs: dict, file_for: dict, out_dir: str, label
         progress.close()
 
 
+class _GroupByGroup:
+    """``write_native``'s fetch over a group converter: the first tensor asked for of a group converts the
+    whole group, whose tensors are then handed out and dropped (the writer asks in the planned order)."""
+
+    def __init__(self, produce, progress: Progress):
+        self.produce, self.progress, self.ready = produce, progress, {}
+
+    def __call__(self, stored_name: str):
+        name = stored_name[len(MODEL):]
+        if name not in self.ready:
+            self.ready = self.produce(group_of(name), False)
+        tensor = self.ready.pop(name)
+        self.progress.update(tensor.nbytes)
+        return tensor
+
+
 def hf_to_native(input_dir: str, output: str, *, tp: int = 1, pp: int = 1, model: str | None = None,
                  seq_length: int | None = None, quiet: bool = False) -> str:
     """HF directory -> native checkpoint root ``output`` (step 0, weights only) plus ``output/config.yaml``."""
@@ -100,9 +117,12 @@ def hf_to_native(input_dir: str, output: str, *, tp: int = 1, pp: int = 1, model
     dtype_name = _dtype_name(specs["embedding.word_embeddings.weight"][0])
     cfg = run_config(model_cfg, hf_dir=input_dir, output=output, tp=tp, pp=pp, dtype_name=dtype_name)
     check_layout(cfg)
-    files = stage_files(cfg, "model")
     tmp = start_step_dir(output, 0)
-    _write(group_list, produce, specs, {n: file_of(n, files) for n in specs}, tmp, "hf-to-native", quiet)
+    progress = _progress(specs, "hf-to-native", quiet)
+    try:
+        write_native(tmp, {MODEL + name: spec for name, spec in specs.items()}, _GroupByGroup(produce, progress))
+    finally:
+        progress.close()
     _warn_unread(source, model_cfg)
     publish_step_dir(output, tmp, model_only_metadata(cfg))
     _write_run_config(cfg, os.path.join(os.path.abspath(output), "config.yaml"), input_dir, model_type)
@@ -144,10 +164,7 @@ def native_to_hf(input_path: str, output_dir: str, *, max_shard_size="5GB", dtyp
     step_dir, _, cfg = open_native(input_path)
     model_cfg = cfg.model
     model_type = model_type_of(model_cfg)
-    source = native_tensors(step_dir, "model")
-    if source is None:
-        raise FileNotFoundError(f"{step_dir}: no model-*.safetensors files. Fix: point --input at a complete "
-                                f"checkpoint")
+    source = NativeTensors(step_dir)
 
     def produce(group, meta):
         out = native_group_to_hf(source.view(meta), group, model_cfg, model_type)
@@ -199,8 +216,9 @@ def _copy_tokenizer(cfg, output_dir: str) -> None:
 
 
 def reshard(input_path: str, output: str, *, tp: int, pp: int, virtual_pp: int = 1, quiet: bool = False) -> str:
-    """Native checkpoint -> native checkpoint root ``output`` laid out for (tp, pp): model and optimizer files
-    regrouped by the new pipeline partition, metadata and config updated. Tensors are copied bit for bit."""
+    """Native checkpoint -> native checkpoint root ``output`` whose config and metadata say (tp, pp, virtual pp).
+    The tensors are layout-free, so their files are copied as they are (any layout could load them anyway:
+    this re-targets the config a run starts from)."""
     step_dir, metadata, cfg = open_native(input_path)
     par = cfg.parallel
     stages = pp * virtual_pp
@@ -211,15 +229,11 @@ def reshard(input_path: str, output: str, *, tp: int, pp: int, virtual_pp: int =
     if os.path.realpath(output) in (os.path.realpath(step_dir), os.path.realpath(os.path.dirname(step_dir))):
         raise ValueError(f"--output {output!r} would overwrite the input. Fix: give a new directory")
     tmp = start_step_dir(output, metadata["step"])
-    for prefix in ("model", "optim"):
-        source = native_tensors(step_dir, prefix)
-        if source is None:
-            continue
-        produce = _copier(source, _names_by_group(source.keys(), cfg.model))
-        group_list = groups(cfg.model)
-        specs = _plan(group_list, produce)
-        files = stage_files(cfg, prefix)
-        _write(group_list, produce, specs, {n: file_of(n, files) for n in specs}, tmp, f"reshard {prefix}", quiet)
+    names = [fmt.tensors.INDEX, *fmt.tensors.shard_files(fmt.tensors.read_index(step_dir))]
+    for name in names:
+        if not quiet:
+            print(f"reshard: copying {name}", file=sys.stderr)
+        shutil.copyfile(os.path.join(step_dir, name), os.path.join(tmp, name))
     old_layout = metadata.get("layout") or {}
     metadata = {**metadata, "config": config_to_dict(cfg),
                 "layout": {**layout(cfg), "zero_stage": old_layout.get("zero_stage")}}
@@ -227,21 +241,39 @@ def reshard(input_path: str, output: str, *, tp: int, pp: int, virtual_pp: int =
     return output
 
 
-def _copier(source, by_group: dict):
-    """produce(group, meta) for a plain copy: the group's stored tensors under their own names."""
-    def produce(group, meta):
-        view = source.view(meta)
-        return {name: view[name] for name in by_group.get(group, [])}
-    return produce
+def upgrade(input_path: str, output: str, *, quiet: bool = False) -> str:
+    """A version-1 checkpoint (full-size tensors per pipeline stage, in safetensors) -> this release's format,
+    one tensor at a time; weights, optimizer state, data position and schedule carry over (RNG streams too)."""
+    step_dir = input_path if os.path.exists(os.path.join(input_path, fmt.METADATA)) else \
+        fmt.resolve_load_path(input_path, None)
+    with open(os.path.join(step_dir, fmt.METADATA), encoding="utf-8") as f:
+        metadata = json.load(f)
+    if metadata.get("version") != 1:
+        raise ValueError(f"{step_dir} is a version-{metadata.get('version')} checkpoint, not version 1. Fix: "
+                         f"nothing to upgrade; load it as it is")
+    specs, sources = {}, {}
+    for prefix in ("model", "optim"):
+        files = sorted(os.path.join(step_dir, f) for f in os.listdir(step_dir)
+                       if f.startswith(prefix + "-") and f.endswith(".safetensors"))
+        if files:
+            source = TensorFiles(files)
+            for name in sorted(source.keys()):
+                specs[f"{prefix}/{name}"] = source.spec(name)
+                sources[f"{prefix}/{name}"] = (source, name)
+    tmp = start_step_dir(output, metadata["step"])
+    progress = _progress(specs, "upgrade", quiet)
 
+    def fetch(stored_name):
+        source, name = sources[stored_name]
+        tensor = source.get(name)
+        progress.update(tensor.nbytes)
+        return tensor
 
-def _names_by_group(names, model_cfg) -> dict:
-    by_group: dict = {}
-    for name in sorted(names):
-        by_group.setdefault(group_of(name.split("/", 1)[0]), []).append(name)
-    known = set(groups(model_cfg))
-    stray = [n for g, ns in by_group.items() if g not in known for n in ns]
-    if stray:
-        raise ValueError(f"checkpoint tensors {stray[:3]} belong to no layer of model.num_layers = "
-                         f"{model_cfg.num_layers}. Fix: the checkpoint's files and metadata.json disagree")
-    return by_group
+    try:
+        write_native(tmp, specs, fetch)
+    finally:
+        progress.close()
+    if os.path.isdir(os.path.join(step_dir, "rng")):
+        shutil.copytree(os.path.join(step_dir, "rng"), os.path.join(tmp, "rng"))
+    publish_step_dir(output, tmp, {**metadata, "version": fmt.VERSION})
+    return output

@@ -7,6 +7,10 @@ so GQA, MQA (one group: tp must be 1) and MHA (groups = heads) all shard the sam
 ``model.attention_backend`` pins SDPA to one kernel (flash, efficient, math). Unpinned, SDPA picks one per
 call and silently falls back to a slower kernel when the fast one cannot take the inputs; pinned, such a
 call raises, so a run that trains with ``flash`` has used flash attention throughout.
+
+Grouped-query heads reach SDPA as they are (``enable_gqa``): each query head reads its group's key and
+value head in place, instead of a copy of K and V per query head. Only the ``efficient`` kernel takes no
+GQA; pinned to it, K and V are expanded first.
 """
 from __future__ import annotations
 
@@ -54,7 +58,7 @@ class Attention(nn.Module):
         v = qkv[:, :, :, self.queries_per_group + 1].transpose(1, 2)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        if self.queries_per_group > 1:
+        if self.queries_per_group > 1 and self.backend == "efficient":
             k = k.repeat_interleave(self.queries_per_group, dim=1)
             v = v.repeat_interleave(self.queries_per_group, dim=1)
         if self.selective:
@@ -66,7 +70,9 @@ class Attention(nn.Module):
     def _core(self, q, k, v, attention_mask):
         """Softmax(QK^T/sqrt(d)) V; dropout on probabilities uses the TP stream (heads differ per rank)."""
         dropout = self.dropout_p if self.training else 0.0
+        grouped = q.shape[1] != k.shape[1]
         with get_tracker().fork() if dropout > 0 else contextlib.nullcontext(), sdpa_backend(self.backend):
             if attention_mask is None:
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=grouped)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout,
+                                                  enable_gqa=grouped)

@@ -31,7 +31,6 @@ from .grad_buffer import Fragment, GradBuffer
 from .grad_norm import global_norm, local_squared_norm
 from .loss_scaler import found_inf_across_ranks, loss_scaler_from_config
 from .param_groups import build_inner_optimizer, weight_decay_groups
-from .sharded_state import gather_checkpoint_state, load_checkpoint_state
 
 
 class DistributedOptimizer:
@@ -183,16 +182,7 @@ class DistributedOptimizer:
         for master in self.masters:
             master.grad = None
 
-    # ----- checkpoints and accounting --------------------------------------------------------------
-    def state_dict_for_checkpoint(self, finish=None) -> dict | None:
-        """Collective over DP. DP rank 0 gets {"params": {name: {"master", states...}}, "scaler", "step"}
-        (``finish``: see ``gather_checkpoint_state``)."""
-        return gather_checkpoint_state(self, finish)
-
-    def load_state_dict_from_checkpoint(self, state: dict) -> None:
-        """The same structure, on every rank; each rank keeps its shard (any DP size or ZeRO stage)."""
-        load_checkpoint_state(self, state)
-
+    # ----- accounting (the checkpoint state is optim/sharded_state.py's) ---------------------------------
     def memory_report(self) -> dict:
         """Bytes held on this rank. ``master_bytes`` counts fp32 masters even where they are the fp32
         weights themselves; ``params`` is the number of weight elements on this rank."""

@@ -1,96 +1,97 @@
-"""Checkpoint state of the sharded optimizer, in a layout-free form.
+"""Checkpoint state of the sharded optimizer, as rectangles of layout-free full tensors.
 
-Saved: for every parameter (by global name) its fp32 master weight and optimizer states at the
-parameter's TP-local shape, plus the loss scaler and the step count. Nothing depends on the DP size,
-the ZeRO stage or the bucket size, so a run saved at dp = 2 / ZeRO-1 resumes at dp = 4 / ZeRO-2:
-each rank simply cuts its new shard out of the full tensors it is given.
+Each rank offers exactly what it steps: for every fragment of a parameter it owns (a flat range of the
+TP-local parameter, ``grad_buffer.Fragment``), the fp32 master and the optimizer's states, placed in the
+full tensor '<param>/<state>' by ``tensor_parallel.regions``. Nothing is gathered: a save writes these
+views, a load reads into them. Since the full tensors depend on neither the DP size, the ZeRO stage
+nor the bucket size, a run saved at dp = 2 / ZeRO-1 resumes at dp = 4 / ZeRO-2: each rank reads the
+rectangles of its new fragments. A tied copy of a parameter (the last stage's output head) is stored
+once, by its original, and read from it.
 """
 from __future__ import annotations
 
 import torch
 
-from ..parallel.strict import to_host
+from ..tensor_parallel.regions import Region, full_shape, regions
 from .param_groups import STATE_KEYS, uses_apex
 
 
-def gather_checkpoint_state(dopt, finish=None) -> dict | None:
-    """Collective over DP (one all-gather per bucket and key); the result on DP rank 0, None elsewhere.
+def _fragment_regions(dopt, fragment, flat: torch.Tensor) -> list[Region]:
+    return regions(fragment.param, dopt.infos[id(fragment.param)], dopt.tp_rank, fragment.start, fragment.end,
+                   flat=flat)
 
-    ``finish(name, value)`` turns each parameter's DP-gathered device tensor into what is kept (default:
-    a host copy); the checkpoint's joins TP shards first, on the device, one bucket at a time.
-    """
-    finish = finish or (lambda name, value: to_host(value))
+
+def _stored_name(dopt, param) -> str:
+    info = dopt.infos[id(param)]
+    return info.tied_to or dopt.names[id(param)]
+
+
+def checkpoint_regions(dopt) -> dict[str, tuple[tuple[int, ...], list[Region]]]:
+    """'<param>/<state>' -> (full shape, this rank's regions): what this rank writes. Before the first step
+    the optimizer has no states yet, and only masters are offered."""
     keys = ("master",) + STATE_KEYS[dopt.opt.name]
     states = dopt.optimizer.state if dopt.optimizer is not None else {}
-    params: dict[str, dict] = {}
-    for buffer in dopt.buffers:
-        for bucket in buffer.buckets:
-            owned = [(f, m) for f, m in zip(dopt.fragments, dopt.masters) if f.bucket is bucket]
-            for key in keys:
-                shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=buffer.device)
-                for fragment, master in owned:
-                    value = master if key == "master" else states.get(master, {}).get(key)
-                    if value is not None:
-                        shard[fragment.shard_offset:fragment.shard_offset + master.numel()] = value
-                full = buffer.gather_bucket(bucket, shard)
-                if dopt.dp_rank != 0:
-                    continue
-                for param, offset in zip(bucket.params, bucket.offsets):
-                    value = full[offset:offset + param.numel()].view(param.shape)
-                    name = dopt.names[id(param)]
-                    params.setdefault(name, {})[key] = finish(name, value)
-    if dopt.dp_rank != 0:
-        return None
-    return {"params": params, "scaler": dopt.scaler.state_dict(), "step": dopt.steps}
-
-
-def _entry(params: dict, name: str, key: str, param: torch.Tensor) -> torch.Tensor:
-    if name not in params or key not in params[name]:
-        raise KeyError(f"optimizer checkpoint: no {key!r} for parameter {name!r}. Fix: load a checkpoint saved "
-                       f"by state_dict_for_checkpoint() of the same model and optimizer.name.")
-    value = params[name][key]
-    if tuple(value.shape) != tuple(param.shape):
-        raise ValueError(f"optimizer checkpoint: {name}/{key} has shape {tuple(value.shape)}, this rank's "
-                         f"parameter has {tuple(param.shape)}. Fix: reshard the checkpoint to this TP layout "
-                         f"before loading (tools/convert_checkpoint.py).")
-    return value
-
-
-@torch.no_grad()
-def load_checkpoint_state(dopt, state: dict) -> None:
-    """Weights and masters from "master"; optimizer states for this rank's shard; scaler; step."""
-    params, step = state["params"], int(state["step"])
-    for buffer in dopt.buffers:
-        for param in buffer.params:
-            param.copy_(_entry(params, dopt.names[id(param)], "master", param))
+    out: dict[str, tuple[tuple[int, ...], list[Region]]] = {}
     for fragment, master in zip(dopt.fragments, dopt.masters):
-        if master is not fragment.data:
-            full = _entry(params, dopt.names[id(fragment.param)], "master", fragment.param)
-            master.copy_(full.reshape(-1)[fragment.start:fragment.end])
-    if dopt.optimizer is not None and step > 0:
-        _load_optimizer_states(dopt, params, step)
-    dopt.scaler.load_state_dict(state["scaler"])
-    dopt.steps = step
+        info = dopt.infos[id(fragment.param)]
+        if info.tied_to is not None:
+            continue
+        for key in keys:
+            value = master if key == "master" else states.get(master, {}).get(key)
+            if value is None:
+                continue
+            name = f"{dopt.names[id(fragment.param)]}/{key}"
+            shape = full_shape(fragment.param.shape, info)
+            out.setdefault(name, (shape, []))[1].extend(_fragment_regions(dopt, fragment, value.detach()))
+    return out
 
 
-def _load_optimizer_states(dopt, params: dict, step: int) -> None:
-    """Through the inner optimizer's own load_state_dict, which places states on the master's device."""
-    fragment_of = {id(m): f for m, f in zip(dopt.masters, dopt.fragments)}
-    keys = STATE_KEYS[dopt.opt.name]
-    packed = dopt.optimizer.state_dict()
-    per_index, index = {}, 0
-    for group in dopt.optimizer.param_groups:
-        for master in group["params"]:
-            fragment = fragment_of[id(master)]
-            name = dopt.names[id(fragment.param)]
-            entry = {key: _entry(params, name, key, fragment.param).reshape(-1)[fragment.start:fragment.end].clone()
-                     for key in keys}
-            if dopt.opt.name == "adamw":
-                entry["step"] = torch.tensor(float(step))
-            per_index[index] = entry
-            index += 1
-    packed["state"] = per_index
-    if uses_apex(dopt.opt, dopt.device):  # apex counts steps per group, not per tensor
-        for group in packed["param_groups"]:
-            group["step"] = step
-    dopt.optimizer.load_state_dict(packed)
+def checkpoint_meta(dopt) -> dict:
+    """The optimizer's scalars, the same on every rank: they go into the checkpoint's metadata."""
+    return {"scaler": dopt.scaler.state_dict(), "step": dopt.steps}
+
+
+class ShardedStateLoad:
+    """Where a load puts the optimizer state: masters straight into their tensors, optimizer states into
+    fresh per-fragment buffers that ``apply`` hands to the inner optimizer (which places them on its device)."""
+
+    def __init__(self, dopt, meta: dict):
+        self.dopt, self.meta = dopt, meta
+        self.step = int(meta["step"])
+        keys = STATE_KEYS[dopt.opt.name] if dopt.optimizer is not None and self.step > 0 else ()
+        self.states = [{key: torch.zeros_like(master) for key in keys} for master in dopt.masters]
+
+    def targets(self) -> dict[str, list[Region]]:
+        """'<param>/<state>' -> the regions this rank reads."""
+        wanted: dict[str, list[Region]] = {}
+        for fragment, master, states in zip(self.dopt.fragments, self.dopt.masters, self.states):
+            stored = _stored_name(self.dopt, fragment.param)
+            for key, flat in (("master", master), *states.items()):
+                wanted.setdefault(f"{stored}/{key}", []).extend(_fragment_regions(self.dopt, fragment, flat))
+        return wanted
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        dopt = self.dopt
+        if any(self.states):
+            self._load_optimizer_states()
+        dopt.scaler.load_state_dict(self.meta["scaler"])
+        dopt.steps = self.step
+
+    def _load_optimizer_states(self) -> None:
+        dopt = self.dopt
+        index_of = {id(m): i for i, m in enumerate(dopt.masters)}
+        packed = dopt.optimizer.state_dict()
+        per_index, index = {}, 0
+        for group in dopt.optimizer.param_groups:
+            for master in group["params"]:
+                entry = dict(self.states[index_of[id(master)]])
+                if dopt.opt.name == "adamw":
+                    entry["step"] = torch.tensor(float(self.step))
+                per_index[index] = entry
+                index += 1
+        packed["state"] = per_index
+        if uses_apex(dopt.opt, dopt.device):  # apex counts steps per group, not per tensor
+            for group in packed["param_groups"]:
+                group["step"] = self.step
+        dopt.optimizer.load_state_dict(packed)

@@ -5,6 +5,9 @@ one device would compute it on the whole batch: each micro-batch contributes
 sum(loss * mask) / (tokens in the global batch), and the DP reduction sums. The value is
 then shared with every rank as a device tensor: nothing here waits for the device, so the
 caller reads it (``.item()``) only when it logs.
+
+Micro-batches arrive in host memory and reach the device one at a time, the next one's copy overlapping
+the current one's compute (``device_batches``); the token count is taken from the host copies.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch.distributed as dist
 
 from ..parallel.launch import collective_timeout_s
 from ..parallel.strict import strict_enabled
+from .device_batches import DeviceBatches
 from .executor import PipelineExecutor, StageContext
 from .p2p import P2P
 from .schedules import build_schedule, schedule_kind
@@ -27,7 +31,7 @@ class PipelineEngine:
         sequence = model.seq_length // state.tp_size if par.sequence_parallel and state.tp_size > 1 else model.seq_length
         self.stage = StageContext(state.pp_rank, state.pp_size, par.virtual_pp, state.next_pp_rank, state.prev_pp_rank,
                                   (cfg.train.micro_batch_size, sequence, model.hidden_size), dtype)
-        kind = schedule_kind(state.pp_size, par.virtual_pp)
+        kind = schedule_kind(state.pp_size, par.virtual_pp, par.pipeline_schedule)
         self.schedule = build_schedule(kind, state.pp_size, num_microbatches, par.virtual_pp)[state.pp_rank]
         self.eval_schedule = build_schedule(kind, state.pp_size, num_microbatches, par.virtual_pp,
                                             forward_only=True)[state.pp_rank]
@@ -48,10 +52,9 @@ class PipelineEngine:
         return total * self._loss_factor.to(total.dtype), total.detach()
 
     def _global_token_count(self, microbatches: list[dict]) -> torch.Tensor:
-        count = torch.zeros((), dtype=torch.float64, device=self.device)
-        for batch in microbatches:
-            mask = batch.get("loss_mask")
-            count += mask.sum() if mask is not None else batch["labels"].numel()
+        counts = [batch["loss_mask"].sum(dtype=torch.float64) if "loss_mask" in batch
+                  else torch.tensor(float(batch["labels"].numel()), dtype=torch.float64) for batch in microbatches]
+        count = sum(c.to(self.device) for c in counts)
         if self.state.dp_size > 1:
             dist.all_reduce(count, group=self.state.dp_group)
         return count
@@ -61,12 +64,12 @@ class PipelineEngine:
         if total_tokens is not None:
             self._loss_factor = loss_scale / total_tokens
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for loss in self.executor.run(schedule, microbatches):
+        for loss in self.executor.run(schedule, DeviceBatches(microbatches, self.device)):
             loss_sum += loss.double()
         return self._share_loss(loss_sum, total_tokens)
 
     def forward_backward(self, microbatches: list[dict], loss_scale: float = 1.0) -> torch.Tensor:
-        """Run the schedule; returns the global-batch mean loss on every rank (a 0-dim device tensor)."""
+        """Run the schedule over this rank's micro-batches (in host memory, or already on the device); returns the global-batch mean loss on every rank (a 0-dim device tensor)."""
         for chunk in self.chunks:
             chunk.train()
         return self._run(self.schedule, microbatches, loss_scale)

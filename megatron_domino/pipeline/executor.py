@@ -4,7 +4,10 @@ The executor holds no scheduling logic: the order and the grouping of transfers 
 ``schedules.build_schedule``. It keeps at most the activations the schedule has in flight,
 releases each sent output's data (only its autograd graph stays; in a forward-only run the
 output is dropped), and tells the gradient synchroniser which backward is the last of the step
-so DP reductions overlap the cool-down. A failure names the step and the peers it waits for.
+so DP reductions overlap the cool-down. Where the schedule has a W for a micro-batch, its
+backward computes the input gradient only and the W the weight gradients (``split_backward``);
+the weight gradients, and so the gradient synchroniser's hook, come with the W. A failure
+names the step and the peers it waits for.
 """
 from __future__ import annotations
 
@@ -12,11 +15,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.autograd import Variable
 from torch.profiler import record_function
 
 from .p2p import ACTIVATION, GRADIENT, P2P, Transfer
 from .schedules import Instruction, TransferGroup, virtual_stage
+from .split_backward import backward_input, backward_weight, run_backward
 
 
 @dataclass
@@ -37,18 +40,13 @@ def _release(output: torch.Tensor) -> None:
     output.data = torch.empty((1,), dtype=output.dtype, device=output.device)
 
 
-def _backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
-    """Backward from an output whose data may have been released (torch.autograd.backward checks shapes)."""
-    if grad is None:
-        grad = torch.ones_like(output)
-    Variable._execution_engine.run_backward((output,), (grad,), False, False, (), True, True)
-
-
 class PipelineExecutor:
     def __init__(self, chunks: list, stage: StageContext, p2p: P2P, *,
                  loss_fn: Callable, on_backward: Callable[[bool], None] | None = None):
         """``loss_fn(per_token_loss, batch) -> (loss_to_backprop, detached loss sum)`` on the last stage;
-        ``on_backward(is_last)`` is called before every backward (the DP gradient sync's hook)."""
+        ``on_backward(is_last)`` is called before every backward, B and W, all of which may produce weight
+        gradients (B under Domino: ``split_backward``), with whether it is the last of its kind (the DP
+        gradient sync's hook)."""
         self.chunks, self.stage, self.p2p = chunks, stage, p2p
         self.loss_fn, self.on_backward = loss_fn, on_backward
         self.num_stages = stage.pp * stage.virtual_pp
@@ -61,10 +59,13 @@ class PipelineExecutor:
     def run(self, schedule: list, microbatches: list[dict]) -> list[torch.Tensor]:
         """Execute ``schedule``; returns the detached loss sums of the micro-batches whose loss lives here."""
         self._inputs, self._outputs, self._grads_in, self._grads_out, losses = {}, {}, {}, {}, []
-        backwards = [s for s in schedule if s.op == "backward"]
-        self._forward_only = not backwards
-        last_backward = {c: max(i.microbatch for i in backwards if i.chunk == c)
-                         for c in {i.chunk for i in backwards}}
+        self._weights = {}  # (chunk, micro-batch) -> what its W needs
+        split = {(s.chunk, s.microbatch) for s in schedule if s.op == "backward_weight"}
+        self._forward_only = not any(s.op == "backward" for s in schedule)
+        last = {}  # (op, chunk) -> its last micro-batch: the DP reduction's cue
+        for s in schedule:
+            if s.is_compute:
+                last[(s.op, s.chunk)] = max(s.microbatch, last.get((s.op, s.chunk), -1))
         self.length = len(schedule)
         for self.position, step in enumerate(schedule):
             self.current = step
@@ -77,16 +78,12 @@ class PipelineExecutor:
                     self._outputs[key] = self._forward(step, self._inputs.get(key), microbatches, losses)
                     if self._forward_only:
                         self._inputs.pop(key, None)
-                else:
-                    if self.on_backward is not None:
-                        self.on_backward(step.microbatch == last_backward[step.chunk])
-                    _backward(self._outputs.pop(key), self._grads_in.pop(key, None))
-                    source = self._inputs.pop(key, None)
-                    if source is not None and self._stage_of(step.chunk) > 0:
-                        self._grads_out[key] = source.grad
+                    continue
+                self._backward(step, key in split, step.microbatch == last[(step.op, step.chunk)])
         self.current = None
         self.p2p.drain()
         self._outputs.clear()
+        self._weights.clear()
         return losses
 
     def _exchange(self, group: TransferGroup) -> None:
@@ -119,6 +116,23 @@ class PipelineExecutor:
         return Transfer(s.prev_rank if forward else s.next_rank, f"{'activation' if forward else 'gradient'} {label}",
                         (ACTIVATION if forward else GRADIENT, inst.microbatch, stage),
                         shape=s.activation_shape, dtype=s.dtype)
+
+    def _backward(self, step: Instruction, split: bool, is_last: bool) -> None:
+        """A whole backward, or B (input gradient) or W (weight gradients) of a split one."""
+        key = (step.chunk, step.microbatch)
+        if self.on_backward is not None:
+            self.on_backward(is_last)
+        if step.op == "backward_weight":
+            backward_weight(self._weights.pop(key))
+            return
+        source = self._inputs.pop(key, None)
+        if split:
+            grad, self._weights[key] = backward_input(self._outputs.pop(key), self._grads_in.pop(key, None), source)
+        else:
+            run_backward(self._outputs.pop(key), self._grads_in.pop(key, None))
+            grad = source.grad if source is not None else None
+        if grad is not None and self._stage_of(step.chunk) > 0:
+            self._grads_out[key] = grad
 
     def _forward(self, instruction: Instruction, input_tensor, microbatches, losses):
         chunk = self.chunks[instruction.chunk]

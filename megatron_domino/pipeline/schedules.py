@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-OPS = ("recv_forward", "forward", "send_forward", "recv_backward", "backward", "send_backward")
-KINDS = ("none", "1f1b", "interleaved")
+OPS = ("recv_forward", "forward", "send_forward", "recv_backward", "backward", "send_backward", "backward_weight")
+COMPUTE_OPS = ("forward", "backward", "backward_weight")
+KINDS = ("none", "1f1b", "interleaved", "zb-h1")
 _PREFIX = {
     "recv_forward": "rF",
     "forward": "F",
@@ -30,6 +31,7 @@ _PREFIX = {
     "recv_backward": "rB",
     "backward": "B",
     "send_backward": "sB",
+    "backward_weight": "W",
 }
 
 
@@ -47,7 +49,7 @@ class Instruction:
 
     @property
     def is_compute(self) -> bool:
-        return self.op in ("forward", "backward")
+        return self.op in COMPUTE_OPS
 
     def label(self, show_chunk: bool) -> str:
         """Short name such as "F3", "sB3" or, with the chunk shown, "F3.1"."""
@@ -85,6 +87,8 @@ class TransferGroup:
 def transfers_of(compute: Instruction, stage: int, num_stages: int) -> tuple[list[Instruction], list[Instruction]]:
     """(receives it needs, sends it feeds) of a compute instruction on virtual ``stage``."""
     mb, chunk = compute.microbatch, compute.chunk
+    if compute.op == "backward_weight":  # weight gradients stay on the rank
+        return [], []
     if compute.op == "forward":
         needs_recv, needs_send = stage > 0, stage < num_stages - 1
         recv, send = "recv_forward", "send_forward"
@@ -92,7 +96,7 @@ def transfers_of(compute: Instruction, stage: int, num_stages: int) -> tuple[lis
         needs_recv, needs_send = stage < num_stages - 1, stage > 0
         recv, send = "recv_backward", "send_backward"
     else:
-        raise ValueError(f"transfers_of needs a forward or backward instruction, got {compute.op!r}")
+        raise ValueError(f"transfers_of needs a compute instruction, got {compute.op!r}")
     recvs = [Instruction(recv, mb, chunk)] if needs_recv else []
     return recvs, ([Instruction(send, mb, chunk)] if needs_send else [])
 
@@ -158,17 +162,21 @@ def interleaved_warmup(pp: int, rank: int, num_microbatches: int, virtual_pp: in
     return min((pp - rank - 1) * 2 + (virtual_pp - 1) * pp, total)
 
 
-def schedule_kind(pp: int, virtual_pp: int) -> str:
-    """The schedule a layout runs: "none" without a pipeline, "interleaved" with several chunks per rank, else "1f1b"."""
+def schedule_kind(pp: int, virtual_pp: int, requested: str | None = None) -> str:
+    """The schedule a layout runs: ``requested`` (parallel.pipeline_schedule) where set, else "interleaved" with
+    several chunks per rank and "1f1b" with one; "none" without a pipeline, whatever was requested."""
     if pp == 1:
         return "none"
+    if requested is not None:
+        return requested
     return "interleaved" if virtual_pp > 1 else "1f1b"
 
 
 def _validate(kind: str, pp: int, m: int, v: int) -> None:
     if kind not in KINDS:
         raise ValueError(f"pipeline schedule kind {kind!r} is not one of {', '.join(KINDS)}; "
-                         f"fix: use 'none' for parallel.pp = 1, '1f1b', or 'interleaved' with parallel.virtual_pp > 1")
+                         f"fix: use 'none' for parallel.pp = 1, '1f1b', 'zb-h1', or 'interleaved' with "
+                         f"parallel.virtual_pp > 1")
     if pp < 1 or v < 1:
         raise ValueError(f"parallel.pp = {pp} and parallel.virtual_pp = {v} must both be >= 1; "
                          f"fix: set them to 1 or more")
@@ -178,8 +186,8 @@ def _validate(kind: str, pp: int, m: int, v: int) -> None:
     if kind == "none" and (pp != 1 or v != 1):
         raise ValueError(f"schedule 'none' runs without a pipeline but parallel.pp = {pp}, parallel.virtual_pp = {v}; "
                          f"fix: set parallel.pp: 1 and parallel.virtual_pp: 1, or use the '1f1b' schedule")
-    if kind == "1f1b" and v != 1:
-        raise ValueError(f"schedule '1f1b' holds one model chunk per rank but parallel.virtual_pp = {v}; "
+    if kind in ("1f1b", "zb-h1") and v != 1:
+        raise ValueError(f"schedule {kind!r} holds one model chunk per rank but parallel.virtual_pp = {v}; "
                          f"fix: set parallel.virtual_pp: 1, or use the 'interleaved' schedule")
     if kind == "interleaved":
         if pp < 2 or v < 2:
@@ -200,15 +208,19 @@ def build_schedule(kind: str, pp: int, num_microbatches: int, virtual_pp: int = 
     "none": pp = 1, F0 B0 F1 B1 ... (gradient accumulation, one micro-batch alive).
     "1f1b": warm-up of min(pp - rank - 1, m) forwards, steady one-forward-one-backward, cool-down.
     "interleaved": the same shape over m * virtual_pp chunk-micro-batches (Megatron's interleaved 1F1B).
+    "zb-h1": 1F1B with each backward split into B and a held-back W (``zero_bubble``).
     ``forward_only`` (evaluation): the schedule's forwards in the same order, no backwards.
     """
     _validate(kind, pp, num_microbatches, virtual_pp)
     m = num_microbatches
+    if kind == "zb-h1" and not forward_only:
+        from .zero_bubble import zb_h1_programs  # built on this module's instructions
+        return zb_h1_programs(pp, m)
     schedule = []
     for rank in range(pp):
         if kind == "interleaved":
             iterations = _interleaved_order(pp, rank, m, virtual_pp)
-        else:
+        else:  # 1F1B's order; ZB-H1's forwards run in the same order
             fwd = [Instruction("forward", i) for i in range(m)]
             bwd = [Instruction("backward", i) for i in range(m)]
             # 1F1B sends each output right after computing it: one compute per iteration.

@@ -27,15 +27,27 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Costs:
-    """Time of each op. ``forward``/``backward`` are one number or one per virtual stage (uneven partitions)."""
+    """Time of each op. ``forward``/``backward`` are one number or one per virtual stage (uneven partitions).
+
+    ``backward`` is a whole backward; where a schedule splits it (ZB-H1), W takes ``weight`` (half of
+    ``backward`` unless given) and B the rest."""
 
     forward: Cost = 1.0
     backward: Cost = 2.0
     comm: float = 0.0  # from the moment both sides of a transfer are posted until it completes
+    weight: Cost | None = None
 
-    def of(self, inst: Instruction, stage: int) -> float:
-        cost = self.forward if inst.op == "forward" else self.backward
-        return float(cost) if isinstance(cost, (int, float)) else float(cost[stage])
+    def of(self, inst: Instruction, stage: int, split: bool = False) -> float:
+        if inst.op == "forward":
+            return _at(self.forward, stage)
+        weight = _at(self.weight, stage) if self.weight is not None else _at(self.backward, stage) / 2
+        if inst.op == "backward_weight":
+            return weight
+        return _at(self.backward, stage) - (weight if split else 0.0)
+
+
+def _at(cost: Cost, stage: int) -> float:
+    return float(cost) if isinstance(cost, (int, float)) else float(cost[stage])
 
 
 @dataclass(frozen=True)
@@ -92,8 +104,10 @@ def check_structure(schedule: list[list], num_microbatches: int, virtual_pp: int
             if not (0 <= inst.chunk < virtual_pp and 0 <= inst.microbatch < num_microbatches):
                 raise ScheduleError(f"rank {rank}: {_name(inst, virtual_pp)} is outside chunk 0..{virtual_pp - 1} "
                                     f"or micro-batch 0..{num_microbatches - 1}")
-        for op in ("forward",) if forward_only else ("forward", "backward"):
+        for op in ("forward",) if forward_only else ("forward", "backward", "backward_weight"):
             units = [(i.chunk, i.microbatch) for i in computes if i.op == op]
+            if op == "backward_weight" and not units:
+                continue  # the backward is not split
             if len(units) != len(set(units)) or set(units) != expected_units:
                 missing = sorted(expected_units - set(units))
                 repeated = sorted({u for u in units if units.count(u) > 1})
@@ -102,9 +116,10 @@ def check_structure(schedule: list[list], num_microbatches: int, virtual_pp: int
         done = set()
         for inst in computes:
             unit = (inst.chunk, inst.microbatch)
-            if inst.op == "backward" and unit not in done:
-                raise ScheduleError(f"rank {rank}: {_name(inst, virtual_pp)} runs before its forward")
-            done.add(unit)
+            before = {"backward": "forward", "backward_weight": "backward"}.get(inst.op)
+            if before and (before, unit) not in done:
+                raise ScheduleError(f"rank {rank}: {_name(inst, virtual_pp)} runs before its {before}")
+            done.add((inst.op, unit))
         _check_transfers(program, rank, pp, virtual_pp)
 
 
@@ -178,12 +193,34 @@ def _match_transfers(schedule: list[list], virtual_pp: int) -> dict:
     return counterpart
 
 
+def _split_units(program: list) -> set[tuple[int, int]]:
+    """(chunk, micro-batch) whose backward is split: B computes input gradients only and a W follows."""
+    return {(s.chunk, s.microbatch) for s in program if s.op == "backward_weight"}
+
+
 def _max_in_flight(program: list) -> int:
-    alive = peak = 0
+    """Most micro-batches holding activations: from the forward to the backward, or to the W where split."""
+    split, alive, peak = _split_units(program), 0, 0
     for step in program:
-        alive += {"forward": 1, "backward": -1}.get(step.op, 0)
+        ends = step.op == ("backward_weight" if (step.chunk, step.microbatch) in split else "backward") \
+            if step.is_compute else False
+        alive += 1 if step.op == "forward" else -1 if ends else 0
         peak = max(peak, alive)
     return peak
+
+
+def run_programs(programs: list[list], advance) -> list[int]:
+    """Step every rank through its program in order, in rounds until none can move: ``advance(rank, index,
+    step)`` does a step and returns True, or False while it waits for another rank. Returns how far each got."""
+    position = [0] * len(programs)
+    progress = True
+    while progress:
+        progress = False
+        for rank, program in enumerate(programs):
+            while position[rank] < len(program) and advance(rank, position[rank], program[position[rank]]):
+                position[rank] += 1
+                progress = True
+    return position
 
 
 def simulate(schedule: list[list], num_microbatches: int, virtual_pp: int = 1, costs: Costs = Costs(),
@@ -194,27 +231,26 @@ def simulate(schedule: list[list], num_microbatches: int, virtual_pp: int = 1, c
     check_structure(schedule, num_microbatches, virtual_pp, forward_only)
     counterpart = _match_transfers(schedule, virtual_pp)
     pp = len(schedule)
-    pc, clock = [0] * pp, [0.0] * pp
+    split = [_split_units(program) for program in schedule]
+    clock = [0.0] * pp
     posted_at: dict[tuple[int, int], float] = {}
     spans: list[list[Span]] = [[] for _ in range(pp)]
-    progress = True
-    while progress:
-        progress = False
-        for rank, program in enumerate(schedule):
-            while pc[rank] < len(program):
-                step = program[pc[rank]]
-                if step.is_compute:
-                    start = clock[rank]
-                    clock[rank] = start + costs.of(step, virtual_stage(rank, step.chunk, pp))
-                    spans[rank].append(Span(step, start, clock[rank]))
-                else:
-                    posted_at.setdefault((rank, pc[rank]), clock[rank])
-                    peers = [counterpart[(rank, pc[rank], t)] for t in step.transfers]
-                    if any(peer not in posted_at for peer in peers):
-                        break  # a peer has not posted its side yet
-                    clock[rank] = max([clock[rank]] + [posted_at[p] for p in peers]) + costs.comm
-                pc[rank] += 1
-                progress = True
+
+    def advance(rank: int, index: int, step) -> bool:
+        if step.is_compute:
+            start = clock[rank]
+            clock[rank] = start + costs.of(step, virtual_stage(rank, step.chunk, pp),
+                                           (step.chunk, step.microbatch) in split[rank])
+            spans[rank].append(Span(step, start, clock[rank]))
+            return True
+        posted_at.setdefault((rank, index), clock[rank])
+        peers = [counterpart[(rank, index, t)] for t in step.transfers]
+        if any(peer not in posted_at for peer in peers):
+            return False  # a peer has not posted its side yet
+        clock[rank] = max([clock[rank]] + [posted_at[p] for p in peers]) + costs.comm
+        return True
+
+    pc = run_programs(schedule, advance)
     if any(pc[r] < len(schedule[r]) for r in range(pp)):
         raise ScheduleError("deadlock under NCCL's rules: " + "; ".join(
             _blocked(schedule, counterpart, posted_at, pc, r, virtual_pp) for r in range(pp)))

@@ -16,15 +16,16 @@ Megatron's fused fp16 kernels), which does not describe this code: norms here co
 saved input is a 4-byte copy, and CPU builds of torch decompose RMSNorm and save its normalised output
 too; CUDA builds run the fused ``_fused_rms_norm``, which saves input and rstd only), SDPA is a flash
 kernel on CUDA and on CPU so the a*s^2 score matrix is never stored (only a fp32 logsumexp), GQA's
-repeated K/V and RoPE's rotated Q/K are new tensors, and the sequence-parallel all-gather's output
+K/V reach SDPA unexpanded (except under the ``efficient`` kernel, which copies them per query head),
+RoPE's rotated Q/K are new tensors, and the sequence-parallel all-gather's output
 (the full sequence) is what the following linear saves. Per token and TP rank (e = 2 or 4 bytes,
 t = tp, r = t under sequence parallelism else 1, a*d = query width, g*d = KV width, f = FFN):
 
     each norm       LayerNorm 4h/r + 8/r (fp32 input, mean, rstd); RMSNorm 4h/r + 4/r on CUDA (fp32
                     input, rstd), 8h/r + 4/r on CPU (also the fp32 normalised output)
-    attention       e*h (QKV input)  + e*(a+2g)*d/t (the QKV output, when a view of it is saved:
-                    no RoPE, or MHA) + e*a*d/t for each of Q, K, V that is a new tensor (Q: RoPE;
-                    K: RoPE or GQA; V: GQA) + e*a*d/t (SDPA output = projection input) + 4a/t (logsumexp)
+    attention       e*h (QKV input)  + e*(a+2g)*d/t (the QKV output, while a view of it is saved) + the
+                    new tensors: Q e*a*d/t and K e*g*d/t under RoPE, K and V e*a*d/t each when expanded
+                    + e*a*d/t (SDPA output = projection input) + 4a/t (logsumexp)
     MLP             e*h (FC1 input) + GeLU 2e*f/t (FC1 output, activation output) or SwiGLU 4e*f/t
     dropout         a mask of h/r elements after attention and after the MLP: 1 byte each on CUDA
                     (a bool mask), e bytes on CPU (torch keeps a scaled mask of the input's dtype);
@@ -163,13 +164,14 @@ def layer_activation_bytes(cfg: Config, gpu: GPU) -> tuple[float, float, float]:
     r = t if par.sequence_parallel and t > 1 else 1
     h, f, d = model.hidden_size, model.ffn_size, model.head_dim
     a, g = model.num_attention_heads, model.query_groups
-    rope, gqa = model.position_embedding == "rope", g < a
+    rope = model.position_embedding == "rope"
+    expanded = g < a and model.attention_backend == "efficient"  # K and V copied per query head
     mask = _dropout_mask_bytes(cfg, gpu)
     if model.recompute == "full":
         total = 2 * e * h / r + e * a * d / t + e * f / t + 2 * mask
         return total, 0.0, 0.0
-    qkv_storage = e * (a + 2 * g) * d / t if (not rope or not gqa) else 0.0
-    new_qkv = e * a * d / t * (int(rope) + int(rope or gqa) + int(gqa))
+    qkv_storage = 0.0 if (rope and expanded) else e * (a + 2 * g) * d / t  # some of Q, K, V is a view of it
+    new_qkv = e * d / t * (a * int(rope) + (2 * a if expanded else g * int(rope)))
     logsumexp = 0.0 if model.recompute == "selective" else 4 * a / t
     attention = _norm_bytes(model, r, gpu) + e * h + qkv_storage + new_qkv + e * a * d / t + logsumexp + mask
     mlp = _norm_bytes(model, r, gpu) + e * h + (4 if model.activation == "swiglu" else 2) * e * f / t + mask
@@ -214,11 +216,13 @@ def in_flight(cfg: Config, dp: int) -> list[int]:
     """Micro-batches (chunk-micro-batches when interleaved) whose activations each pipeline rank holds at its peak."""
     pp, v = cfg.parallel.pp, cfg.parallel.virtual_pp
     m = cfg.train.num_microbatches(dp)
-    kind = schedule_kind(pp, v)
+    kind = schedule_kind(pp, v, cfg.parallel.pipeline_schedule)
     if kind == "none":
         return [1]
     if kind == "1f1b":
         return [min(pp - rank, m) for rank in range(pp)]
+    if kind == "zb-h1":  # each rank holds a micro-batch from F to W: 1F1B's peak, on every rank
+        return [min(pp, m)] * pp
     return [min(interleaved_warmup(pp, rank, m, v) + 1, m * v) for rank in range(pp)]
 
 

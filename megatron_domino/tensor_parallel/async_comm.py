@@ -16,11 +16,30 @@ thread. The same code serves both.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..parallel import comm
+
+# Which gradients a backward pass computes: both, or one half of a split backward (the pipeline's B or W).
+# The engine skips a built-in node's unneeded outputs by itself but cannot tell a Python Function which of
+# its outputs are needed, so the Function below reads this.
+_PASS = {"input": True, "weight": True}
+
+
+@contextmanager
+def gradient_pass(inputs: bool, weights: bool):
+    """Within: Python Functions holding weights compute input gradients only if ``inputs``, weight
+    gradients only if ``weights`` (``pipeline.split_backward`` runs B and W under it)."""
+    saved = dict(_PASS)
+    _PASS.update(input=inputs, weight=weights)
+    try:
+        yield
+    finally:
+        _PASS.update(saved)
 
 
 class PendingReduce:
@@ -177,7 +196,9 @@ class LinearWithAsyncInputGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
-        grad_input = ctx.pending.launch(grad_output, weight)
+        grad_input = ctx.pending.launch(grad_output, weight) if _PASS["input"] else None
+        if not _PASS["weight"]:  # B of a split backward: W computes these later
+            return grad_input, None, None, None
         flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
         grad_weight = flat_grad.t().matmul(x.reshape(-1, x.shape[-1]))
         grad_bias = flat_grad.sum(0) if ctx.has_bias else None

@@ -1,26 +1,38 @@
-"""Checkpoints that are atomic, resumable bit for bit, and loadable at any parallel layout.
+"""Sharded checkpoints: every rank writes what it owns, in parallel, optionally in the background.
 
-The files and their names are ``checkpoint_format``'s. Tensors are stored full-size (TP shards joined,
-ZeRO shards gathered, vocab padding removed), so loading at another (tp, pp, dp, ZeRO stage) only
-re-slices. Loading never unpickles code.
+The files are ``checkpoint_format``'s. A rank offers its TP slice of every weight (identical slices of
+the data-parallel replicas are written once) and its ZeRO fragments of the fp32 masters and optimizer
+states (``optim.sharded_state``); nothing is gathered, so a save costs each rank its own state at most.
+A load at any (tp, pp, dp, virtual pp, ZeRO stage) reads only the rectangles it needs.
 
-Saving and loading are phases with their own budgets (``checkpoint.save_timeout_s``/``load_timeout_s``):
-their waits for the other ranks go over the store, not through collectives that the collective timeout
-would abort, and they report progress so the watchdog tells a slow save from a hung one.
+Saving: the step's files go into a run-unique temporary directory; when every rank's write is durable,
+global rank 0 publishes it (rename, then ``latest``). With ``checkpoint.async_save`` the state is first
+copied to host memory and written by a background thread while training goes on; a second save, the
+end of the run and a load wait for it, and a failed background write is raised there. The writes and
+their waits use a gloo group of their own (host tensors, never the training's NCCL groups), whose
+timeout is the save's budget (``checkpoint.save_timeout_s``); the store barriers around them report
+progress, so the watchdog tells a slow save from a hung one.
 """
 from __future__ import annotations
 
 import os
+import threading
+from datetime import timedelta
 
 import torch
-from safetensors.torch import save_file
+import torch.distributed as dist
 
 from .. import checkpoint_format as fmt
+from ..checkpoint_format import tensors
 from ..checkpoint_format import resolve_load_path  # noqa: F401 - the trainer takes it from here
+from ..config.errors import CheckpointError
 from ..config.loader import config_to_dict
-from ..models.full_state import gather_full, load_full_state_dict, saved_parameters, shard_full
+from ..models.full_state import saved_parameters
+from ..optim.sharded_state import ShardedStateLoad, checkpoint_meta, checkpoint_regions
 from ..parallel.random import capture_rng_state, restore_rng_state
 from ..parallel.store_barrier import Phase
+from ..parallel.strict import to_host
+from ..tensor_parallel.regions import full_shape, regions
 
 
 def save_phase(cfg) -> Phase:
@@ -31,108 +43,139 @@ def load_phase(cfg) -> Phase:
     return Phase("checkpoint load", cfg.checkpoint.load_timeout_s, "checkpoint.load_timeout_s")
 
 
-def _optimizer_tensors(chunks, optimizer, state) -> tuple[dict[str, torch.Tensor], dict]:
-    """Full-size optimizer tensors named '<param>/<key>', and the rest of the optimizer's state (scaler, step).
-
-    Collective over DP, then over TP on DP rank 0; other ranks get nothing back.
-    """
-    infos = {name: info for chunk in chunks for name, _, info in saved_parameters(chunk)}
-    gathered = optimizer.state_dict_for_checkpoint(
-        finish=lambda name, value: gather_full(value, infos[name], state.tp_group) if name in infos else None)
-    if state.dp_rank != 0:
-        return {}, {}
-    tensors = {f"{name}/{key}": full for name in infos for key, full in gathered["params"][name].items()}
-    return tensors, {k: v for k, v in gathered.items() if k != "params"}
-
-
-def save_checkpoint(root: str, step: int, *, chunks, optimizer, schedule, consumed_samples: int, cfg, state,
-                    keep: int, phase: Phase | None = None, run_id: str = "") -> str:
-    """Write a checkpoint of ``step`` under ``root`` (collective over every rank); returns its directory.
-
-    ``phase`` (default ``save_phase(cfg)``) receives the progress; pass the one the watchdog watches.
-    ``run_id`` (the same on every rank) makes the temporary directory this run's own.
-    """
-    phase = phase or save_phase(cfg)
-    tmp = fmt.tmp_step_dir(root, step, run_id)
-    if state.rank == 0:
-        os.makedirs(os.path.join(fmt.start_step_dir(root, step, run_id), "rng"))
-    phase.barrier("temporary directory created")
-    phase.progress("gathering the model and optimizer state")
-    model = {}
-    if state.dp_rank == 0:
-        for chunk in chunks:
-            model.update({n: gather_full(p, info, state.tp_group) for n, p, info in saved_parameters(chunk)})
-    optim, optim_meta = _optimizer_tensors(chunks, optimizer, state)
-    if state.dp_rank == 0 and state.tp_rank == 0:
-        for prefix, tensors in (("model", model), ("optim", optim)):
-            path = os.path.join(tmp, fmt.stage_file(prefix, state.pp_rank))
-            phase.progress(f"writing {path}")
-            save_file({k: v.contiguous() for k, v in tensors.items()}, path)
-            fmt.fsync_file(path)
-    rng_path = os.path.join(tmp, fmt.rng_file(state.rank))
-    torch.save(capture_rng_state(), rng_path)
-    fmt.fsync_file(rng_path)
-    phase.barrier("every file written")
-    final = os.path.join(root, fmt.step_dir_name(step))
-    if state.rank == 0:
-        meta = fmt.metadata(step, config_to_dict(cfg), _layout(state, cfg), consumed_samples=consumed_samples,
-                            lr_schedule=schedule.state_dict(), optimizer=optim_meta)
-        fmt.fsync_dir(os.path.join(tmp, "rng"))
-        phase.progress("publishing")
-        fmt.publish_step_dir(root, tmp, meta, keep)
-    phase.barrier("published")
-    return final
-
-
-def _layout(state, cfg) -> dict:
-    return fmt.layout(state.tp_size, state.pp_size, state.dp_size, state.virtual_pp, cfg.optimizer.zero_stage)
-
-
-def load_checkpoint(path: str, *, chunks, optimizer, schedule, cfg, state, phase: Phase | None = None) -> dict:
-    """Load weights (and optimizer, schedule, RNG where present) into this rank; returns the metadata.
-
-    Ends when every rank has loaded, so no rank's first collective waits out a slow reader.
-    """
-    phase = phase or load_phase(cfg)
-    metadata = fmt.read_metadata(path)
-    fmt.check_compatible(metadata, cfg.model)
-    missing_files = fmt.missing_files(path, metadata)
-    if missing_files:
-        raise fmt.damaged(path, f"{path} lacks {', '.join(missing_files)} (saved at pp = "
-                                f"{metadata['layout']['pp']}, it holds one file per pipeline stage)")
-    phase.progress("reading the model weights")
-    index = fmt.tensor_index(path, "model")
-    names = {n for chunk in chunks for n, _ in chunk.named_global_parameters()}
-    _refuse_missing(path, "model", sorted(names - index.keys()))
-    weights = fmt.read_tensors(index, names)
+def model_state(chunks, tp_rank: int) -> dict[str, tensors.Stored]:
+    """'model/<name>' -> this rank's slices of the weights (views), for ``tensors.write``."""
+    state = {}
     for chunk in chunks:
-        load_full_state_dict(chunk, weights, state.tp_rank, state.tp_size)
-    if metadata.get("has_optimizer") and optimizer is not None:
-        phase.progress("reading the optimizer state")
-        _load_optimizer(path, chunks, optimizer, metadata, state)
-        schedule.load_state_dict(metadata["lr_schedule"])
-    rng_file = os.path.join(path, fmt.rng_file(state.rank))
-    if metadata.get("layout") == _layout(state, cfg) and os.path.exists(rng_file):
-        restore_rng_state(torch.load(rng_file, weights_only=True))
-    phase.barrier("loaded")
-    return metadata
+        for name, param, info in saved_parameters(chunk):
+            state[f"model/{name}"] = tensors.Stored(full_shape(param.shape, info), param.dtype,
+                                                    tensors.pieces_of(regions(param.detach(), info, tp_rank)))
+    return state
 
 
-def _refuse_missing(path: str, prefix: str, missing: list[str]) -> None:
-    """A checkpoint whose '<prefix>-*' files lack parameters this model needs is refused, naming its files."""
-    if missing:
-        files = ", ".join(os.path.basename(f) for f in fmt.stored_files(path, prefix)) or "none"
-        raise fmt.damaged(path, f"{path} lacks the {prefix} tensors of {len(missing)} parameters this model needs, "
-                                f"e.g. {missing[:3]} (its {prefix} files: {files})")
+def optimizer_state(optimizer) -> dict[str, tensors.Stored]:
+    """'optim/<name>/<state>' -> this rank's ZeRO fragments of masters and moments (views)."""
+    return {f"optim/{name}": tensors.Stored(shape, torch.float32, tensors.pieces_of(found))
+            for name, (shape, found) in checkpoint_regions(optimizer).items()}
 
 
-def _load_optimizer(path: str, chunks, optimizer, metadata: dict, state) -> None:
-    index = fmt.tensor_index(path, "optim")
-    params = {name: info for chunk in chunks for name, info in chunk.sharding().items()}
-    stored = fmt.read_tensors(index, [k for k in index if k.split("/")[0] in params])
-    per_param: dict[str, dict] = {}
-    for key, full in stored.items():
-        name, field = key.split("/", 1)
-        per_param.setdefault(name, {})[field] = shard_full(full, params[name], state.tp_rank, state.tp_size)
-    _refuse_missing(path, "optim", sorted(set(params) - set(per_param)))
-    optimizer.load_state_dict_from_checkpoint({"params": per_param, **metadata["optimizer"]})
+def optimizer_targets(load: ShardedStateLoad) -> dict[str, list[tensors.Piece]]:
+    """'optim/<name>/<state>' -> where a load puts this rank's new fragments."""
+    return {f"optim/{name}": tensors.pieces_of(found) for name, found in load.targets().items()}
+
+
+def _staged(state: dict[str, tensors.Stored]) -> dict[str, tensors.Stored]:
+    """A host copy of every piece, so training may change the originals while the copy is written."""
+    return {name: tensors.Stored(stored.shape, stored.dtype,
+                                 [tensors.Piece(p.offsets, p.sizes, to_host(p.data()).as_subclass(torch.Tensor))
+                                  for p in stored.pieces])
+            for name, stored in state.items()}
+
+
+class Checkpointer:
+    """Saves and loads this rank's share of the model and optimizer (collective over every rank)."""
+
+    def __init__(self, cfg, state, run_id: str = ""):
+        self.cfg, self.state, self.run_id = cfg, state, run_id
+        budget = max(cfg.checkpoint.save_timeout_s, cfg.checkpoint.load_timeout_s)
+        self.group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=budget))
+                      if dist.is_initialized() else None)
+        self._writer: threading.Thread | None = None
+        self._failure: BaseException | None = None
+
+    def save(self, root: str, step: int, *, chunks, optimizer, schedule, consumed_samples: int, keep: int,
+             phase: Phase | None = None) -> str:
+        """Write step ``step`` under ``root``; returns its final directory. With ``checkpoint.async_save`` it
+        returns once the state is staged in host memory, and the directory appears when the write is done."""
+        self.wait()
+        phase = phase or save_phase(self.cfg)
+        tmp = fmt.tmp_step_dir(root, step, self.run_id)
+        if self.state.rank == 0:
+            os.makedirs(os.path.join(fmt.start_step_dir(root, step, self.run_id), "rng"))
+        phase.barrier("temporary directory created")
+        rng_path = os.path.join(tmp, fmt.rng_file(self.state.rank))
+        torch.save(capture_rng_state(), rng_path)
+        fmt.fsync_file(rng_path)
+        content = {**model_state(chunks, self.state.tp_rank), **optimizer_state(optimizer)}
+        meta = fmt.metadata(step, config_to_dict(self.cfg), self._layout(), consumed_samples=consumed_samples,
+                            lr_schedule=schedule.state_dict(), optimizer=checkpoint_meta(optimizer))
+        if self.cfg.checkpoint.async_save:
+            phase.progress("staging the state in host memory")
+            self._writer = threading.Thread(target=self._in_background, name=f"checkpoint-step-{step}", daemon=True,
+                                            args=(tmp, _staged(content), root, meta, keep))
+            self._writer.start()
+        else:
+            phase.progress(f"writing {tmp}")
+            self._write_and_publish(tmp, content, root, meta, keep)
+        return os.path.join(root, fmt.step_dir_name(step))
+
+    def _write_and_publish(self, tmp: str, content: dict, root: str, meta: dict, keep: int) -> None:
+        tensors.write(tmp, content, group=self.group)  # returns on every rank once the index is written
+        if self.state.rank == 0:
+            fmt.fsync_dir(os.path.join(tmp, "rng"))
+            fmt.publish_step_dir(root, tmp, meta, keep)
+        if self.group is not None:
+            dist.barrier(group=self.group)  # no rank reports a save done before it is published
+
+    def _in_background(self, *args) -> None:
+        try:
+            self._write_and_publish(*args)
+        except BaseException as problem:  # noqa: BLE001 - raised on the main thread by wait()
+            self._failure = problem
+
+    def wait(self) -> None:
+        """Block until the background save (if any) is published; raise its failure here."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise CheckpointError(f"the background checkpoint save failed ({type(failure).__name__}: {failure}); "
+                                  f"'latest' still names the previous checkpoint") from failure
+
+    def _layout(self) -> dict:
+        state = self.state
+        return fmt.layout(state.tp_size, state.pp_size, state.dp_size, state.virtual_pp,
+                          self.cfg.optimizer.zero_stage)
+
+    def load(self, path: str, *, chunks, optimizer, schedule, phase: Phase | None = None) -> dict:
+        """Load weights (and optimizer, schedule, RNG where present) into this rank; returns the metadata.
+
+        Ends when every rank has loaded, so no rank's first collective waits out a slow reader.
+        """
+        self.wait()
+        phase = phase or load_phase(self.cfg)
+        metadata = fmt.read_metadata(path)
+        fmt.check_compatible(metadata, self.cfg.model)
+        fmt.check_files(path)
+        wanted = model_targets(chunks, self.state.tp_rank)
+        optimizer_load = None
+        if metadata.get("has_optimizer") and optimizer is not None:
+            optimizer_load = ShardedStateLoad(optimizer, metadata["optimizer"])
+            wanted.update(optimizer_targets(optimizer_load))
+        phase.progress(f"reading {len(wanted)} tensors' slices from {path}")
+        tensors.read(path, wanted, group=self.group)
+        if optimizer_load is not None:
+            optimizer_load.apply()
+            schedule.load_state_dict(metadata["lr_schedule"])
+        rng_file = os.path.join(path, fmt.rng_file(self.state.rank))
+        if metadata.get("layout") == self._layout() and os.path.exists(rng_file):
+            restore_rng_state(torch.load(rng_file, weights_only=True))
+        phase.barrier("loaded")
+        return metadata
+
+
+@torch.no_grad()
+def model_targets(chunks, tp_rank: int) -> dict[str, list[tensors.Piece]]:
+    """'model/<name>' -> the pieces of every parameter of these chunks (a tied copy reads its original).
+    Vocabulary padding is zeroed: it is not stored."""
+    wanted: dict[str, list[tensors.Piece]] = {}
+    for chunk in chunks:
+        table = chunk.sharding()
+        for name, param in chunk.named_global_parameters():
+            info = table[name]
+            if info.vocab_rows is not None:
+                param.zero_()
+            wanted.setdefault(f"model/{info.tied_to or name}", []).extend(
+                tensors.pieces_of(regions(param.data, info, tp_rank)))
+    return wanted

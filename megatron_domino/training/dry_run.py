@@ -55,7 +55,7 @@ def _groups(topology: Topology, gpus_per_node: int) -> list[str]:
 
 def _schedule(cfg: Config, dp: int, flights: list[int]) -> str:
     par = cfg.parallel
-    kind = schedule_kind(par.pp, par.virtual_pp)
+    kind = schedule_kind(par.pp, par.virtual_pp, par.pipeline_schedule)
     unit = "chunk-micro-batches" if kind == "interleaved" else "micro-batches"
     return (f"schedule: {kind}, {cfg.train.num_microbatches(dp)} micro-batches of {cfg.train.micro_batch_size} "
             f"per step on each of {dp} data-parallel replicas; {unit} in flight: {flights[0]} on pipeline rank 0, "

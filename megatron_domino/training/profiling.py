@@ -4,22 +4,27 @@ Only the window pays for profiling; outside it the named ranges (``record_functi
 and Domino executors, the optimizer step and data loading) cost a check each. The trace is Chrome /
 Perfetto JSON, ``<log.dir>/profile/trace-rank<R>.json``, with CPU activity and, on CUDA, kernels too.
 On CUDA, log.profile_memory also records the allocator's history over the window and dumps a snapshot
-(``memory-rank<R>.pickle``, for https://pytorch.org/memory_viz).
+(``memory-rank<R>.pickle``, for https://pytorch.org/memory_viz). log.oom_snapshot records that history
+from the start instead, and dumps it (``oom-rank<R>.pickle``) when a step runs out of device memory: what
+held the memory at the moment it ran out.
 """
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 
 class ProfileWindow:
-    def __init__(self, steps: list[int], log_dir: str, rank: int, device: torch.device, memory: bool):
+    def __init__(self, steps: list[int], log_dir: str, rank: int, device: torch.device, memory: bool,
+                 keep_history: bool = False):
+        """``keep_history``: the allocator's history stays on after the window (an ``OomSnapshot`` needs it)."""
         self.start, self.end = steps
         self.folder, self.rank = os.path.join(log_dir, "profile"), rank
         self.cuda = device.type == "cuda"
-        self.memory = memory and self.cuda
+        self.memory, self.keep_history = memory and self.cuda, keep_history
         self._profiler = None
 
     def before_step(self, step: int) -> None:
@@ -46,4 +51,28 @@ class ProfileWindow:
         profiler.export_chrome_trace(os.path.join(self.folder, f"trace-rank{self.rank}.json"))
         if self.memory:
             torch.cuda.memory._dump_snapshot(os.path.join(self.folder, f"memory-rank{self.rank}.pickle"))
-            torch.cuda.memory._record_memory_history(enabled=None)
+            if not self.keep_history:
+                torch.cuda.memory._record_memory_history(enabled=None)
+
+
+class OomSnapshot:
+    """log.oom_snapshot on CUDA: the allocator's history is recorded from the start (a small cost per
+    allocation) and dumped when a step runs out of device memory; the error is raised as before."""
+
+    def __init__(self, log_dir: str, rank: int, device: torch.device, enabled: bool):
+        self.enabled = enabled and device.type == "cuda"
+        self.path = os.path.join(log_dir, "profile", f"oom-rank{rank}.pickle")
+        if self.enabled:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+    @contextmanager
+    def watching(self):
+        try:
+            yield
+        except torch.cuda.OutOfMemoryError:
+            if self.enabled:
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                torch.cuda.memory._dump_snapshot(self.path)
+                print(f"out of device memory: the allocator's history is in {self.path} "
+                      f"(open it at https://pytorch.org/memory_viz)", flush=True)
+            raise

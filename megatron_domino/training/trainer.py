@@ -29,11 +29,11 @@ from ..parallel.store_barrier import Phase
 from ..pipeline.engine import PipelineEngine
 from ..pipeline.finalize_grads import finalize_grads
 from ..pipeline.stages import build_stage_chunks
-from .checkpoint import load_checkpoint, load_phase, resolve_load_path, save_checkpoint, save_phase
+from .checkpoint import Checkpointer, load_phase, resolve_load_path, save_phase
 from .checkpoint_dir import prepare_run_dirs
 from .guard import BadStepGuard
 from .metrics import MetricsWriter, Timers, device_peak_tflops, format_train_line, memory_gib
-from .profiling import ProfileWindow
+from .profiling import OomSnapshot, ProfileWindow
 from .signals import PreemptionHandler
 from .straggler import StragglerReport
 from .watchdog import Watchdog
@@ -84,10 +84,13 @@ class Trainer:
         self.guard = (BadStepGuard(train.on_bad_step, train.spike_factor, train.spike_window, self.state.rank,
                                    self.state.topology.world_size) if train.on_bad_step else None)
         self.profile = (ProfileWindow(cfg.log.profile_steps, cfg.log.dir, self.state.rank, self.device,
-                                      cfg.log.profile_memory) if cfg.log.profile_steps else None)
+                                      cfg.log.profile_memory, keep_history=cfg.log.oom_snapshot)
+                        if cfg.log.profile_steps else None)
+        self.oom = OomSnapshot(cfg.log.dir, self.state.rank, self.device, cfg.log.oom_snapshot)
         self.stragglers = (StragglerReport(self.state, cfg.log.straggler_interval, self.device, cfg.log.dir)
                            if cfg.log.straggler_interval else None)
         self._build_data()
+        self.checkpointer = Checkpointer(cfg, self.state, self.run_id)
         if self.state.rank == 0:
             save_config(cfg, os.path.join(cfg.log.dir, "config.yaml"))
         self._maybe_load()
@@ -122,7 +125,7 @@ class Trainer:
     def _next_microbatches(self, loader) -> list[dict]:
         if loader is None:  # a middle stage: activations come over p2p
             return [{} for _ in range(self.num_microbatches)]
-        return [{k: v.to(self.device, non_blocking=True) for k, v in mb.items()} for mb in loader.next_step()]
+        return loader.next_step()  # in host memory: the engine moves them to the device one at a time
 
     # ----- checkpoints --------------------------------------------------------------------------
     def _maybe_load(self) -> None:
@@ -131,8 +134,8 @@ class Trainer:
         if path is None:
             return
         with self.watchdog.watching(load_phase(self.cfg)) as phase:
-            metadata = load_checkpoint(path, chunks=self.chunks, optimizer=self.optimizer, schedule=self.schedule,
-                                       cfg=self.cfg, state=self.state, phase=phase)
+            metadata = self.checkpointer.load(path, chunks=self.chunks, optimizer=self.optimizer,
+                                              schedule=self.schedule, phase=phase)
         if metadata.get("has_optimizer"):
             self.step = metadata["step"]
             self._consumed = metadata["consumed_samples"]
@@ -146,10 +149,10 @@ class Trainer:
             return
         self.phase = "saving a checkpoint"
         with self.watchdog.watching(save_phase(self.cfg)) as phase:
-            path = save_checkpoint(ckpt.dir, self.step, chunks=self.chunks, optimizer=self.optimizer,
-                                   schedule=self.schedule, consumed_samples=self._consumed, cfg=self.cfg,
-                                   state=self.state, keep=ckpt.keep, phase=phase, run_id=self.run_id)
-        self._log_once(f"saved checkpoint {path}")
+            path = self.checkpointer.save(ckpt.dir, self.step, chunks=self.chunks, optimizer=self.optimizer,
+                                          schedule=self.schedule, consumed_samples=self._consumed, keep=ckpt.keep,
+                                          phase=phase)
+        self._log_once(f"{'saving checkpoint (in the background)' if ckpt.async_save else 'saved checkpoint'} {path}")
 
     def release_checkpoint_dir(self) -> None:
         """Let another run use checkpoint.dir (rank 0 holds its lock)."""
@@ -227,7 +230,8 @@ class Trainer:
                 self._sync_debug(self.step - first_step >= 2 and not self._reads_host(self.step + 1, tokens_per_step))
                 if self.profile is not None:
                     self.profile.before_step(self.step + 1)
-                result = self.train_step()
+                with self.oom.watching():
+                    result = self.train_step()
                 if self.profile is not None:
                     self.profile.after_step(self.step)
                 if result["bad_step"]:
@@ -258,6 +262,8 @@ class Trainer:
                 self.save()
         finally:
             self._sync_debug(False)
+            if sys.exc_info()[0] is None:  # the run's last checkpoint is published before it ends
+                self.checkpointer.wait()
             if self.profile is not None:
                 self.profile.close()
             preemption.close(finish=sys.exc_info()[0] is None)
@@ -270,6 +276,7 @@ class Trainer:
                            f"{problem}: {self.guard.action}")
         if self.guard.action == "stop":
             self.save()
+            self.checkpointer.wait()
             raise self.guard.stop_error(saved=bool(self.cfg.checkpoint.dir))
 
     def _reads_host(self, step: int, tokens_per_step: int) -> bool:

@@ -1,21 +1,25 @@
-"""The native checkpoint format in one place: file names, metadata, the tensor index and atomic publication.
+"""The native checkpoint format in one place: file names, metadata, the tensor files and atomic publication.
 
     <root>/latest                  {"step": N, "dir": "step_0000000N"}, replaced last
     <root>/step_0000000N/
         metadata.json              version, step, data position, LR schedule, loss scaler, layout, config
-        model-pp000.safetensors    full-size parameters of pipeline rank 0's chunks (global names)
-        optim-pp000.safetensors    full-size fp32 optimizer state: "<param>/master", "<param>/exp_avg", ...
+        .metadata                  DCP's index: every tensor's full shape, and each stored rectangle's offsets
+        __<rank>_0.distcp          the rectangles one rank wrote (``tensors``): "model/<param>" in the weights'
+                                   dtype, "optim/<param>/master|exp_avg|exp_avg_sq" in fp32
         rng/rank00000.pt           each rank's RNG streams (restored only at the same layout)
 
-Training (``training/checkpoint.py``) writes and reads it across ranks; the offline converter (``convert/``)
-writes it from one process. Both take the format from here, so the two cannot drift apart, and the converter
-needs nothing of the trainer. A step is written into ``.tmp-step_*``, fsynced, renamed into place, and
-``latest`` is replaced last: a crash at any moment leaves ``latest`` naming a whole checkpoint.
+Tensors are stored at their full shape under layout-free names, so any (tp, pp, dp, virtual pp, ZeRO stage)
+loads any checkpoint, reading only the rectangles it needs (``tensors``). Training (``training/checkpoint.py``)
+writes it from every rank; the offline converter (``convert/``) from one process. Both take the format from
+here, so the two cannot drift apart, and the converter needs nothing of the trainer. A step is written into
+``.tmp-step_*``, fsynced, renamed into place, and ``latest`` is replaced last: a crash at any moment leaves
+``latest`` naming a whole checkpoint.
 
 Reading refuses anything damaged with a ``CheckpointError`` naming the file: metadata that breaks its schema
-(types, non-negative counts, a step equal to its folder's), unreadable JSON or safetensors, a missing stage
-file. A damaged step or ``latest`` names the intact steps beside it that can be loaded instead, so nothing
-ever loads silently wrong and no one is left guessing what is still good.
+(types, non-negative counts, a step equal to its folder's), unreadable JSON, a damaged index, a missing or
+truncated shard file. A damaged step or ``latest`` names the intact steps beside it that can be loaded
+instead, so nothing ever loads silently wrong and no one is left guessing what is still good. A version-1
+checkpoint (full-size tensors per pipeline stage in safetensors) is refused with the command that upgrades it.
 """
 from __future__ import annotations
 
@@ -23,14 +27,12 @@ import json
 import os
 import re
 import shutil
-from contextlib import contextmanager
 
-from safetensors import SafetensorError, safe_open
+from ..config.errors import CheckpointError
+from ..config.loader import config_from_dict
+from . import tensors
 
-from .config.errors import CheckpointError
-from .config.loader import config_from_dict
-
-VERSION = 1
+VERSION = 2
 LATEST = "latest"
 METADATA = "metadata.json"
 # Model settings that change tensor shapes or the function computed; a checkpoint must agree on them.
@@ -40,11 +42,6 @@ SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_size", "num_attention_heads", "q
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def stage_file(prefix: str, pp_rank: int) -> str:
-    """'model-pp001.safetensors': the tensors ``prefix`` ('model' or 'optim') of pipeline rank ``pp_rank``."""
-    return f"{prefix}-pp{pp_rank:03d}.safetensors"
 
 
 def rng_file(rank: int) -> str:
@@ -199,9 +196,12 @@ def _read_metadata(path: str) -> dict:
             meta = json.load(f)
     except ValueError as problem:
         raise ValueError(f"{meta_path} is not valid JSON ({problem})") from problem
+    if isinstance(meta, dict) and meta.get("version") == 1:
+        raise CheckpointError(f"{path} is a version-1 checkpoint (full-size tensors in model-pp*.safetensors), "
+                              f"which this release reads only through its converter. Fix: python "
+                              f"tools/convert_checkpoint.py upgrade --input {path} --output NEW_DIR, then load NEW_DIR")
     if isinstance(meta, dict) and meta.get("version") != VERSION:
-        raise ValueError(f"{meta_path}: format version {meta.get('version')!r} is not {VERSION}; convert it with "
-                         f"the release that wrote it")
+        raise ValueError(f"{meta_path}: format version {meta.get('version')!r} is not {VERSION}")
     problems = _schema_problems(meta, path)
     if problems:
         raise ValueError(f"{meta_path} is damaged: " + "; ".join(problems))
@@ -213,18 +213,27 @@ def read_metadata(path: str) -> dict:
     instead."""
     try:
         return _read_metadata(path)
+    except CheckpointError:
+        raise
     except (OSError, ValueError) as problem:
         raise damaged(path, str(problem)) from problem
 
 
-def expected_files(meta: dict) -> list[str]:
-    """The stage files a checkpoint with metadata ``meta`` must hold: one per pipeline rank of its layout."""
-    prefixes = ("model", "optim") if meta["has_optimizer"] else ("model",)
-    return [stage_file(prefix, r) for prefix in prefixes for r in range(meta["layout"]["pp"])]
+def file_problems(step_dir: str) -> list[str]:
+    """What is wrong with the tensor files of ``step_dir``: a missing or damaged index, or shard files it
+    names that are missing or truncated (none: all there)."""
+    try:
+        index = tensors.read_index(step_dir)
+    except CheckpointError as problem:
+        return [str(problem)]
+    return tensors.damaged_shards(step_dir, index)
 
 
-def missing_files(step_dir: str, meta: dict) -> list[str]:
-    return [f for f in expected_files(meta) if not os.path.isfile(os.path.join(step_dir, f))]
+def check_files(step_dir: str) -> None:
+    """Refuse a step directory whose tensor files are incomplete, naming them and the intact steps beside it."""
+    problems = file_problems(step_dir)
+    if problems:
+        raise damaged(step_dir, "; ".join(problems))
 
 
 def intact_steps(root: str) -> list[str]:
@@ -233,9 +242,10 @@ def intact_steps(root: str) -> list[str]:
     intact = []
     for name in sorted(d for d in os.listdir(root) if d.startswith("step_")) if os.path.isdir(root) else []:
         try:
-            if not missing_files(os.path.join(root, name), _read_metadata(os.path.join(root, name))):
+            _read_metadata(os.path.join(root, name))
+            if not file_problems(os.path.join(root, name)):
                 intact.append(name)
-        except (OSError, ValueError):
+        except (OSError, ValueError, CheckpointError):
             pass
     return intact
 
@@ -261,41 +271,3 @@ def check_compatible(meta: dict, model_cfg) -> None:
     if differing:
         raise CheckpointError("checkpoint is from an incompatible model; differing keys:\n  " + "\n  ".join(differing)
                          + "\nFix: load it with the model settings it was saved with.")
-
-
-def stored_files(step_dir: str, prefix: str) -> list[str]:
-    """Paths of every '<prefix>-*.safetensors' of a step directory, sorted."""
-    return sorted(os.path.join(step_dir, f) for f in os.listdir(step_dir)
-                  if f.startswith(prefix + "-") and f.endswith(".safetensors"))
-
-
-@contextmanager
-def _opened(file: str):
-    """``safe_open(file)``, whose errors (a truncated or unreadable file) become a CheckpointError naming it."""
-    try:
-        with safe_open(file, framework="pt") as handle:
-            yield handle
-    except (SafetensorError, OSError) as problem:
-        raise damaged(os.path.dirname(file), f"file {file} is unreadable or truncated ({problem})") from problem
-
-
-def tensor_index(step_dir: str, prefix: str) -> dict[str, str]:
-    """name -> file for every tensor of '<prefix>-*.safetensors': any layout reads by name, whatever file holds it."""
-    index = {}
-    for file in stored_files(step_dir, prefix):
-        with _opened(file) as handle:
-            index.update(dict.fromkeys(handle.keys(), file))
-    return index
-
-
-def read_tensors(index: dict[str, str], names) -> dict:
-    """The tensors ``names`` that ``index`` holds (others are skipped), each file opened once."""
-    by_file, out = {}, {}
-    for name in names:
-        if name in index:
-            by_file.setdefault(index[name], []).append(name)
-    for file, keys in by_file.items():
-        with _opened(file) as handle:
-            for key in keys:
-                out[key] = handle.get_tensor(key)
-    return out

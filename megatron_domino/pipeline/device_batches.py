@@ -1,0 +1,54 @@
+"""A step's micro-batches on the device one at a time, the next one's copy started while the current computes.
+
+Copying every micro-batch of a step to the device at once holds all of them there for the whole step:
+with long sequences and document masks that is most of a step's input memory for nothing. Here micro-batch
+i is copied when the schedule first reads it, and i + 1 is copied right after, on a side stream on CUDA,
+so the copy overlaps the compute of i. At most ``keep`` micro-batches stay on the device (an interleaved
+schedule that comes back to an evicted one copies it again). On the CPU the "copy" is the tensor itself.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+
+class DeviceBatches(Sequence):
+    def __init__(self, host: list[dict], device: torch.device, keep: int = 2):
+        self.host, self.device, self.keep = host, device, keep
+        self._on_device: OrderedDict[int, dict] = OrderedDict()
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def __len__(self) -> int:
+        return len(self.host)
+
+    def __getitem__(self, index: int) -> dict:
+        batch = self._fetch(index)
+        if index + 1 < len(self.host):
+            self._fetch(index + 1)
+        if self._stream is not None:  # the copy was issued on the side stream: order the compute after it
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self._stream)
+            for tensor in batch.values():
+                tensor.record_stream(current)
+        return batch
+
+    def _fetch(self, index: int) -> dict:
+        if index in self._on_device:
+            self._on_device.move_to_end(index)
+            return self._on_device[index]
+        if self._stream is None:
+            batch = {k: v.to(self.device) for k, v in self.host[index].items()}
+        else:
+            with torch.cuda.stream(self._stream):
+                batch = {k: _pinned(v).to(self.device, non_blocking=True) for k, v in self.host[index].items()}
+        self._on_device[index] = batch
+        while len(self._on_device) > self.keep:
+            self._on_device.popitem(last=False)
+        return batch
+
+
+def _pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """A page-locked host tensor copies asynchronously; one already on the device stays as it is."""
+    return tensor.pin_memory() if tensor.device.type == "cpu" else tensor

@@ -1,0 +1,165 @@
+"""ZB-H1 (split backward) trains like one process: 6 SGD steps through the ZeRO gradient buffers (fp32), at
+pp 4 and pp 2, with Domino, TP 2 and DP 2 (ZeRO-1), under NCCL's p2p rules (the strict transport).
+
+The W's carry the weight gradients, so the buffers' last-micro-batch hooks and the DP reduction follow the
+last W; a gradient lost, counted twice or reduced before its W would show in the losses and the weights.
+"""
+import torch
+
+from megatron_domino.config.schema import OptimizerConfig
+from megatron_domino.models import LanguageModel, initialize_weights
+from megatron_domino.models.full_state import gather_full
+from megatron_domino.models.language_model import WORD_EMBEDDINGS
+from megatron_domino.optim.distributed_optimizer import DistributedOptimizer
+from megatron_domino.parallel import Topology, state as parallel_state
+from megatron_domino.pipeline.engine import PipelineEngine
+from megatron_domino.pipeline.finalize_grads import finalize_grads
+from megatron_domino.pipeline.stages import build_stage_chunks
+from megatron_domino.pipeline.strict_transport import StrictP2P
+from tests.harness import run_ranks
+from tests.test_pipeline import GLOBAL_BATCH, GPT, LLAMA, MICRO_BATCH, _config
+
+TOL, STEPS, LR = 1e-5, 6, 0.5
+OPT = OptimizerConfig(name="sgd", lr=LR, momentum=0.0, weight_decay=0.0, clip_grad=0.0, bucket_size_mb=0.01)
+
+
+def _batches(model):
+    g = torch.Generator().manual_seed(11)
+    shape = (GLOBAL_BATCH, model.seq_length)
+    return [(torch.randint(0, model.vocab_size, shape, generator=g),
+             torch.randint(0, model.vocab_size, shape, generator=g),
+             (torch.rand(shape, generator=g) > 0.2).float()) for _ in range(STEPS)]
+
+
+def _reference(model):
+    """One process, the whole batch, plain SGD: the loss of every step and the final weights."""
+    dense = LanguageModel(model)
+    initialize_weights(dense, seed=3)
+    losses = []
+    for tokens, labels, mask in _batches(model):
+        dense.zero_grad(set_to_none=True)
+        loss = (dense(None, {"tokens": tokens, "labels": labels}) * mask).sum() / mask.sum()
+        loss.backward()
+        with torch.no_grad():
+            for p in dense.parameters():
+                p -= LR * p.grad
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in dense.named_global_parameters()}
+
+
+def _train(world_size, cfg):
+    par = cfg.parallel
+    ps = parallel_state.initialize(Topology(world_size, par.tp, par.pp, par.dp), print_rank_map=False)
+    chunks = build_stage_chunks(cfg, ps, init_seed=3)
+    optimizer = DistributedOptimizer(chunks, OPT, dp_group=ps.dp_group, tp_rank=ps.tp_rank,
+                                     norm_groups=[ps.tp_group, ps.pp_group], bucket_alone=(WORD_EMBEDDINGS,))
+    per_rank = GLOBAL_BATCH // ps.dp_size
+    rows = slice(ps.dp_rank * per_rank, (ps.dp_rank + 1) * per_rank)
+    engine = None
+    losses = []
+    for tokens, labels, mask in _batches(cfg.model):
+        micro = [{"tokens": t, "labels": l, "loss_mask": m} for t, l, m in zip(
+            tokens[rows].split(MICRO_BATCH), labels[rows].split(MICRO_BATCH), mask[rows].split(MICRO_BATCH))]
+        if engine is None:
+            engine = PipelineEngine(chunks, ps, cfg, device=torch.device("cpu"), dtype=torch.float32,
+                                    num_microbatches=len(micro), on_backward=optimizer.set_last_microbatch)
+            assert isinstance(engine.executor.p2p, StrictP2P)
+            assert any(s.op == "backward_weight" for s in engine.schedule)
+        optimizer.zero_grad()
+        losses.append(engine.forward_backward(micro).item())
+        finalize_grads(chunks, ps, optimizer)
+        optimizer.step(LR)
+    weights = {}
+    for chunk in chunks:
+        table = chunk.sharding()
+        for name, p in chunk.named_global_parameters():
+            weights[name] = gather_full(p.detach(), table[name], ps.tp_group)
+    parallel_state.destroy()
+    return losses, weights
+
+
+def _check(rank, world_size, layouts):
+    for model, cfg in layouts:
+        ref_losses, ref_weights = _reference(model)
+        losses, weights = _train(world_size, cfg)
+        for step, (got, want) in enumerate(zip(losses, ref_losses)):
+            assert abs(got - want) <= TOL * abs(want), (cfg.parallel, step, got, want)
+        for name, weight in weights.items():
+            expected = ref_weights[name][:weight.shape[0]]
+            err = ((weight - expected).abs().max() / expected.abs().max()).item()
+            assert err <= TOL, f"{cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp} {name}: {err:.2e}"
+
+
+def _zb(model, tp, pp, dp):
+    cfg = _config(model, tp, pp, dp)
+    cfg.parallel.pipeline_schedule = "zb-h1"
+    return model, cfg
+
+
+def test_zb_h1_trains_like_one_process():
+    """One spawn of 4 ranks: pp 4; tp 2 x pp 2 (Llama); pp 2 x dp 2 with ZeRO-1. Domino on in all."""
+    run_ranks(_check, 4, [_zb(GPT, 1, 4, 1), _zb(LLAMA, 2, 2, 1), _zb(GPT, 1, 2, 2)], timeout=300)
+
+
+def _b_then_w_events(rank, world_size):
+    """A middle stage of 2 Domino layers on TP 2: B's events in order, B + W's gradients against the
+    unsplit backward's."""
+    import torch.distributed as dist
+    from megatron_domino.domino.plan import COMPARED_PLANS
+    from megatron_domino.pipeline.split_backward import backward_input, backward_weight, run_backward
+    from megatron_domino.tensor_parallel import TPContext
+    from megatron_domino.tensor_parallel.async_comm import PendingInputGradient
+
+    group = dist.new_group([0, 1])
+    model = LanguageModel(GPT, TPContext(group), layer_ids=[0, 1], pre_process=False, post_process=False,
+                          plan=COMPARED_PLANS["row-inter"])
+    initialize_weights(model, seed=3, tp_rank=rank, tp=world_size)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, GPT.seq_length, GPT.hidden_size, generator=g)
+    grad = torch.randn(4, GPT.seq_length, GPT.hidden_size, generator=g)
+
+    def backward(split):
+        model.zero_grad(set_to_none=True)
+        source = x.clone().requires_grad_()
+        output = model(source, {})
+        if not split:
+            run_backward(output, grad)
+            return source.grad, {n: p.grad for n, p in model.named_parameters()}, None
+        events = []
+        launch, finish = PendingInputGradient.launch, PendingInputGradient.finish
+        PendingInputGradient.launch = lambda self, *a: events.append(("launch", id(self))) or launch(self, *a)
+        PendingInputGradient.finish = lambda self, *a: events.append(("wait", id(self))) or finish(self, *a)
+        hooks = [p.register_post_accumulate_grad_hook(lambda p, n=n: events.append(("grad", n)))
+                 for n, p in model.named_parameters()]
+        try:
+            input_grad, pending = backward_input(output, grad, source)
+            events.append(("B returns", None))
+            backward_weight(pending)
+        finally:
+            PendingInputGradient.launch, PendingInputGradient.finish = launch, finish
+            for hook in hooks:
+                hook.remove()
+        return input_grad, {n: p.grad for n, p in model.named_parameters()}, events
+
+    want_input, want_weights = backward(split=False)[:2]
+    got_input, got_weights, events = backward(split=True)
+    assert ((got_input - want_input).abs().max() / want_input.abs().max()).item() <= TOL  # the reduced one
+    for name, want in want_weights.items():
+        assert ((got_weights[name] - want).abs().max() / want.abs().max()).item() <= TOL, name
+    returned = events.index(("B returns", None))
+    in_b = events[:returned]
+    last_wait = max(i for i, e in enumerate(in_b) if e[0] == "wait")
+    launched = in_b.index(("launch", in_b[last_wait][1]))
+    # B's one weight gradient, layer 0's QKV (both μ-chunks' share), is computed while the all-reduce of the
+    # input gradient waited for last flies, and nothing else of B's is left to overlap it
+    assert [e for e in in_b if e[0] == "grad"] == [("grad", "layers.0.attention.qkv.weight"),
+                                                  ("grad", "layers.0.attention.qkv.bias")], in_b
+    assert last_wait == len(in_b) - 1 and launched < len(in_b) - 3, in_b
+    assert [e[0] for e in in_b[-3:]] == ["grad", "grad", "wait"], in_b
+    assert sorted(n for kind, n in events if kind == "grad") == sorted(want_weights)  # each once, in B or W
+    return True
+
+
+def test_domino_b_overlaps_its_last_input_reduce_with_a_weight_gradient():
+    """Under B/W the input-gradient all-reduce B waits for last overlaps a weight gradient, not idle time."""
+    assert all(run_ranks(_b_then_w_events, 2, timeout=120))
