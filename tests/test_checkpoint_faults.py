@@ -249,3 +249,13 @@ def test_a_launch_error_is_one_block(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith("[rank 0] LaunchError: parallel.backend = nccl but this process sees no CUDA device")
     assert "\n  Fix: request GPUs for every task" in err and "Traceback" not in err
+
+
+def test_a_write_that_fails_is_a_checkpoint_error_naming_the_folder(tmp_path):
+    """What the disk refuses (here: a file where the step folder should be) is one error, not DCP's traceback."""
+    blocked = tmp_path / "step"
+    blocked.write_text("not a folder")
+    piece = tensors.Piece((0,), (2,), torch.ones(2))
+    with pytest.raises(CheckpointError, match=rf"writing the checkpoint into {blocked} failed \(rank 0: "
+                                              r"FileExistsError: .*File exists.*\); nothing was published"):
+        tensors.write(str(blocked), {"model/w": tensors.Stored((2,), torch.float32, [piece])})

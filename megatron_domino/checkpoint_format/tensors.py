@@ -200,9 +200,14 @@ def _process_mode(alone: bool = False):
 def write(step_dir: str, state: dict[str, Stored], group=None) -> None:
     """Write this rank's pieces into ``step_dir`` (collective over ``group``; without torch.distributed, one
     process writes everything). Files are fsynced; the index is written last, by the group's first rank."""
-    with _process_mode() as alone:
-        dcp.save(state, storage_writer=FileSystemWriter(step_dir, sync_files=True, thread_count=1),
-                 planner=_PieceSavePlanner(), process_group=group, no_dist=alone)
+    try:
+        with _process_mode() as alone:
+            dcp.save(state, storage_writer=FileSystemWriter(step_dir, sync_files=True, thread_count=1),
+                     planner=_PieceSavePlanner(), process_group=group, no_dist=alone)
+    except (dcp.api.CheckpointException, OSError) as problem:
+        raise CheckpointError(f"writing the checkpoint into {step_dir} failed ({_first_failure(problem)}); nothing "
+                              f"was published. Fix: if the disk is full or read-only, free space or point "
+                              f"checkpoint.dir at another disk") from problem
 
 
 def read(step_dir: str, wanted: dict[str, list[Piece]], group=None, reader: SafeReader | None = None,
@@ -235,10 +240,12 @@ def read(step_dir: str, wanted: dict[str, list[Piece]], group=None, reader: Safe
 
 
 def _first_failure(problem) -> str:
+    """The first rank's failure inside DCP's CheckpointException (or the error itself)."""
     failures = getattr(problem, "failures", {}) or {}
     for rank, failure in sorted(failures.items()):
+        failure = failure[0] if isinstance(failure, tuple) else failure  # (error, its traceback's frames)
         return f"rank {rank}: {type(failure).__name__}: {failure}"
-    return str(problem)
+    return f"{type(problem).__name__}: {problem}"
 
 
 def read_full(step_dir: str, name: str, reader: SafeReader) -> torch.Tensor:
