@@ -17,13 +17,6 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
 
 
-def full_shape(param: torch.Tensor, info: ParamInfo) -> tuple[int, ...]:
-    shape = list(param.shape)
-    if info.spec is not None:
-        shape[info.spec.dim] = info.spec.full_size
-    return tuple(shape)
-
-
 def full_init_tensor(shape: tuple[int, ...], info: ParamInfo, name: str, seed: int) -> torch.Tensor:
     """The full-size initial value of the parameter ``name`` (fp32, CPU)."""
     if info.init == "zeros":
@@ -45,4 +38,4 @@ def initialize_weights(model, seed: int, tp_rank: int = 0, tp: int = 1) -> None:
     for name, param in model.named_parameters():
         info = table[name]
         global_name = info.tied_to or rename(name)
-        param.copy_(shard(full_init_tensor(full_shape(param, info), info, global_name, seed), info.spec, tp_rank, tp))
+        param.copy_(shard(full_init_tensor(info.full_shape(param.shape), info, global_name, seed), info.spec, tp_rank, tp))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tensor_parallel.regions import Region, full_shape, regions
+from ..tensor_parallel.regions import Region, regions, stored_shape
 from .param_groups import STATE_KEYS, uses_apex
 
 
@@ -41,7 +41,7 @@ def checkpoint_regions(dopt) -> dict[str, tuple[tuple[int, ...], list[Region]]]:
             if value is None:
                 continue
             name = f"{dopt.names[id(fragment.param)]}/{key}"
-            shape = full_shape(fragment.param.shape, info)
+            shape = stored_shape(fragment.param.shape, info)
             out.setdefault(name, (shape, []))[1].extend(_fragment_regions(dopt, fragment, value.detach()))
     return out
 

@@ -8,6 +8,7 @@ schedule that comes back to an evicted one copies it again). On the CPU the "cop
 """
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -38,17 +39,17 @@ class DeviceBatches(Sequence):
         if index in self._on_device:
             self._on_device.move_to_end(index)
             return self._on_device[index]
-        if self._stream is None:
-            batch = {k: v.to(self.device) for k, v in self.host[index].items()}
-        else:
-            with torch.cuda.stream(self._stream):
-                batch = {k: _pinned(v).to(self.device, non_blocking=True) for k, v in self.host[index].items()}
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            batch = {k: to_device(v, self.device) for k, v in self.host[index].items()}
         self._on_device[index] = batch
         while len(self._on_device) > self.keep:
             self._on_device.popitem(last=False)
         return batch
 
 
-def _pinned(tensor: torch.Tensor) -> torch.Tensor:
-    """A page-locked host tensor copies asynchronously; one already on the device stays as it is."""
-    return tensor.pin_memory() if tensor.device.type == "cpu" else tensor
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-to-device copy that does not wait for the device: from page-locked memory (a copy from pageable
+    memory would block the host until the stream's earlier work is done). On the CPU: the tensor itself."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)

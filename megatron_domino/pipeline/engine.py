@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..parallel.launch import collective_timeout_s
 from ..parallel.strict import strict_enabled
-from .device_batches import DeviceBatches
+from .device_batches import DeviceBatches, to_device
 from .executor import PipelineExecutor, StageContext
 from .p2p import P2P
 from .schedules import build_schedule, schedule_kind
@@ -53,8 +53,9 @@ class PipelineEngine:
 
     def _global_token_count(self, microbatches: list[dict]) -> torch.Tensor:
         counts = [batch["loss_mask"].sum(dtype=torch.float64) if "loss_mask" in batch
-                  else torch.tensor(float(batch["labels"].numel()), dtype=torch.float64) for batch in microbatches]
-        count = sum(c.to(self.device) for c in counts)
+                  else torch.tensor(float(batch["labels"].numel()), dtype=torch.float64, device=batch["labels"].device)
+                  for batch in microbatches]
+        count = to_device(torch.stack(counts).sum(), self.device)  # one copy, not one per micro-batch
         if self.state.dp_size > 1:
             dist.all_reduce(count, group=self.state.dp_group)
         return count

@@ -9,6 +9,7 @@ the full tensor) and clipped to the vocabulary (padding rows are never stored, s
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,14 +36,10 @@ def tp_size_of(local_shape, info: ParamInfo) -> int:
     return info.spec.full_size // local_shape[info.spec.dim]
 
 
-def full_shape(local_shape, info: ParamInfo) -> tuple[int, ...]:
-    """The stored shape: the TP dimension at its full size, vocabulary padding removed."""
-    shape = list(local_shape)
-    if info.spec is not None:
-        shape[info.spec.dim] = info.spec.full_size
-    if info.vocab_rows is not None:
-        shape[0] = info.vocab_rows
-    return tuple(shape)
+def stored_shape(local_shape, info: ParamInfo) -> tuple[int, ...]:
+    """The stored shape: the full tensor's, vocabulary padding removed."""
+    shape = info.full_shape(local_shape)
+    return (info.vocab_rows, *shape[1:]) if info.vocab_rows is not None else shape
 
 
 def _flat_blocks(shape, start: int, end: int):
@@ -99,16 +96,9 @@ def regions(local: torch.Tensor, info: ParamInfo, tp_rank: int, start: int = 0, 
     source = flat if flat is not None else local.reshape(-1)[start:end]
     out = []
     for offsets, shape, flat_start in _flat_blocks(local.shape, start, end):
-        block = source[flat_start - start:flat_start - start + _numel(shape)].view(shape)
+        block = source[flat_start - start:flat_start - start + math.prod(shape)].view(shape)
         for placed, view in _to_full(offsets, block, info, tp_rank, tp):
             view = _clip_vocab(placed, view, info)
             if view.numel():
                 out.append(Region(placed, view))
     return out
-
-
-def _numel(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count

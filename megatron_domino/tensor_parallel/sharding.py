@@ -48,6 +48,13 @@ class ParamInfo:
     vocab_rows: int | None = None  # rows past this are vocabulary padding (zero, never trained)
     tied_to: str | None = None  # a copy of this global parameter (a tied output head on another stage)
 
+    def full_shape(self, local_shape) -> tuple[int, ...]:
+        """The shape of the full tensor (vocabulary padding included) whose TP slice has ``local_shape``."""
+        shape = list(local_shape)
+        if self.spec is not None:
+            shape[self.spec.dim] = self.spec.full_size
+        return tuple(shape)
+
     def counts_once(self, tp_rank: int) -> bool:
         """Whether this rank's copy counts in global sums (norms): split ones everywhere, replicated ones
         on TP rank 0, copies of a tied parameter never."""

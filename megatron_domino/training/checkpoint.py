@@ -32,7 +32,7 @@ from ..optim.sharded_state import ShardedStateLoad, checkpoint_meta, checkpoint_
 from ..parallel.random import capture_rng_state, restore_rng_state
 from ..parallel.store_barrier import Phase
 from ..parallel.strict import to_host
-from ..tensor_parallel.regions import full_shape, regions
+from ..tensor_parallel.regions import regions, stored_shape
 
 
 def save_phase(cfg) -> Phase:
@@ -48,7 +48,7 @@ def model_state(chunks, tp_rank: int) -> dict[str, tensors.Stored]:
     state = {}
     for chunk in chunks:
         for name, param, info in saved_parameters(chunk):
-            state[f"model/{name}"] = tensors.Stored(full_shape(param.shape, info), param.dtype,
+            state[f"model/{name}"] = tensors.Stored(stored_shape(param.shape, info), param.dtype,
                                                     tensors.pieces_of(regions(param.detach(), info, tp_rank)))
     return state
 
