@@ -13,13 +13,14 @@ def model_parallel_is_initialized() -> bool:
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                              virtual_pipeline_model_parallel_size: int | None = None, order: str = "tp-dp-pp"):
+                              virtual_pipeline_model_parallel_size: int | None = None, order: str = "tp-cp-dp-pp",
+                              context_parallel_size: int = 1):
     """Megatron's entry point: builds a Topology for the current world and initialises it."""
     import torch.distributed as dist
 
     from .parallel import Topology
     topology = Topology(dist.get_world_size(), tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size,
-                        virtual_pp=virtual_pipeline_model_parallel_size or 1, order=order)
+                        virtual_pp=virtual_pipeline_model_parallel_size or 1, order=order, cp=context_parallel_size)
     return _state.initialize(topology, print_rank_map=False)
 
 
@@ -85,8 +86,9 @@ def is_pipeline_last_stage(ignore_virtual: bool = True) -> bool:
     return _state.get().is_last_stage
 
 
-def get_data_parallel_group():
-    return _state.get().dp_group
+def get_data_parallel_group(with_context_parallel: bool = False):
+    state = _state.get()
+    return state.dp_cp_group if with_context_parallel else state.dp_group
 
 
 def get_data_parallel_rank() -> int:
@@ -99,6 +101,18 @@ def get_data_parallel_world_size() -> int:
 
 def get_data_parallel_src_rank() -> int:
     return _state.get().dp_ranks[0]
+
+
+def get_context_parallel_group():
+    return _state.get().cp_group
+
+
+def get_context_parallel_rank() -> int:
+    return _state.get().cp_rank
+
+
+def get_context_parallel_world_size() -> int:
+    return _state.get().cp_size
 
 
 def get_model_parallel_group():

@@ -220,7 +220,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_intact_steps(ro
     with torch.no_grad():
         for param in model.parameters():
             param.fill_(0.25)
-    state = SimpleNamespace(tp_rank=0, tp_size=1, pp_size=1, dp_size=1, virtual_pp=1, rank=0)
+    state = SimpleNamespace(tp_rank=0, tp_size=1, cp_size=1, pp_size=1, dp_size=1, virtual_pp=1, rank=0)
     with pytest.raises(CheckpointError) as raised_error:
         Checkpointer(cfg, state).load(fmt.resolve_load_path("auto", root), chunks=[model], optimizer=None,
                                       schedule=None)

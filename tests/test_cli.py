@@ -29,7 +29,7 @@ def test_print_schedule_shows_every_pipeline_rank():
 def test_dry_run_prints_rank_map_without_a_process_group():
     result = _run("--config", "configs/gpt/175b.yaml", "--dry-run", "--world-size", "1024")
     assert result.returncode == 0, result.stderr
-    assert "world 1024 = tp 8 x pp 16 x dp 8" in result.stdout
+    assert "world 1024 = tp 8 x cp 1 x pp 16 x dp 8" in result.stdout
 
 
 def test_eval_only_without_a_checkpoint_is_refused():

@@ -153,7 +153,7 @@ def test_save_config_round_trips_exactly(tmp_path):
 def test_every_shipped_config_loads_validates_and_round_trips(path, tmp_path):
     cfg = load_config(path)
     p = cfg.parallel
-    assert validate_config(cfg, world_size=p.tp * p.pp * (p.dp or 1), check_paths=False) == []
+    assert validate_config(cfg, world_size=p.tp * p.cp * p.pp * (p.dp or 1), check_paths=False) == []
     save_config(cfg, str(tmp_path / "c.yaml"))
     assert load_config(str(tmp_path / "c.yaml")) == cfg
     assert config_from_dict(config_to_dict(cfg)) == cfg
@@ -208,7 +208,6 @@ INVALID = [  # (overrides, world size, offending key)
     (["model.position_embedding=alibi"], 1, "model.position_embedding"),
     (["model.recompute=partial"], 1, "model.recompute"),
     (["model.attention_backend=cudnn"], 1, "model.attention_backend"),
-    (["model.attention_backend=flash", "data.reset_attention_mask=true"], 1, "model.attention_backend"),
     (["model.position_embedding=rope", "model.rope_scaling_factor=8", "model.rope_high_freq_factor=0.5"], 1,
      "model.rope_high_freq_factor"),
     (["optimizer.name=adam"], 1, "optimizer.name"),
@@ -248,6 +247,17 @@ INVALID = [  # (overrides, world size, offending key)
     (["log.straggler_interval=-1"], 1, "log.straggler_interval"),
     (["log.profile_steps=[5,2]"], 1, "log.profile_steps"),
     (["log.profile_steps=[3]"], 1, "log.profile_steps"),
+    (["model.num_experts=4", "model.moe_topk=5"], 1, "model.moe_topk"),    # more experts per token than exist
+    (["model.num_experts=4", "model.moe_topk=0"], 1, "model.moe_topk"),
+    (["model.num_experts=4", "model.moe_capacity_factor=0"], 1, "model.moe_capacity_factor"),
+    (["model.num_experts=4", "model.moe_layer_freq=[1,0,1]"], 1, "model.moe_layer_freq"),  # 2 layers
+    (["model.num_experts=4", "model.moe_layer_freq=0"], 1, "model.moe_layer_freq"),
+    (["model.num_experts=4", "model.moe_router=softmx"], 1, "model.moe_router"),
+    (["model.num_experts=4", "parallel.ep=3"], 3, "parallel.ep"),         # divides dp 3, not 4 experts
+    (["model.num_experts=6", "parallel.ep=3"], 2, "parallel.ep"),         # divides 6 experts, not dp 2
+    (["model.num_experts=4", "parallel.ep=2", "parallel.dp=2"], 2, "parallel.ep"),  # valid, but not built yet
+    (["parallel.ep=2"], 2, "parallel.ep"),                                 # a dense model has no experts
+    (["model.num_experts=4", "log.sync_debug=true"], 1, "log.sync_debug"),  # routing reads counts on the host
 ]
 
 

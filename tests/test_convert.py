@@ -1,5 +1,5 @@
-"""tools/convert_checkpoint.py: HF <-> native round trips, logits against transformers, reshard, the upgrade of a
-version-1 checkpoint, config parsing.
+"""tools/convert_checkpoint.py: HF <-> native round trips (GPT-2, Llama, Mixtral), logits against transformers,
+reshard, the upgrade of a version-1 checkpoint, config parsing.
 
 Tiny random HF models are built from configs and saved locally (one file, and sharded with an index);
 nothing is downloaded. References are transformers itself and the HF files as saved by transformers.
@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import shutil
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +21,7 @@ from megatron_domino.checkpoint_format import resolve_load_path, tensors
 from megatron_domino.config import ConfigError, config_to_dict, load_config
 from megatron_domino.config.errors import CheckpointError
 from megatron_domino.convert.convert import hf_to_native, native_to_hf, reshard
-from megatron_domino.convert.hf_config import model_config_from_hf
+from megatron_domino.convert.hf_config import hf_config_from_model, model_config_from_hf
 from megatron_domino.convert import native_io
 from megatron_domino.convert.native_io import NativeTensors
 from megatron_domino.models import LanguageModel, full_state_dict
@@ -60,18 +61,31 @@ def _llama(tied=False, bias=False):
     return model
 
 
+def _mixtral(**overrides):
+    torch.manual_seed(2)
+    config = transformers.MixtralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
+        router_aux_loss_coef=0.02, bos_token_id=0, eos_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **overrides)
+    return transformers.MixtralForCausalLM(config).eval()
+
+
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     """name -> (HF model, saved directory): GPT-2 in one file, Llama (GQA, untied, Llama-3.1 RoPE scaling)
-    sharded with an index json, and a tied Llama with biases."""
+    sharded with an index json, a tied Llama with biases, and Mixtral (4 experts, top-2), whose saved hub
+    layout (block_sparse_moe.experts.E.w1/w2/w3) differs from transformers 5's fused in-memory experts."""
     root = tmp_path_factory.mktemp("hf")
-    gpt2, llama, llama_tied = _gpt2(), _llama(), _llama(tied=True, bias=True)
+    gpt2, llama, llama_tied, mixtral = _gpt2(), _llama(), _llama(tied=True, bias=True), _mixtral()
     gpt2.save_pretrained(root / "gpt2", safe_serialization=True)
     llama.save_pretrained(root / "llama", safe_serialization=True, max_shard_size="100KB")
     llama_tied.save_pretrained(root / "llama_tied_bias", safe_serialization=True)
+    mixtral.save_pretrained(root / "mixtral", safe_serialization=True)
     assert os.path.exists(root / "llama" / "model.safetensors.index.json")
+    assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in _file_keys(root / "mixtral" / "model.safetensors")
     return {"gpt2": (gpt2, str(root / "gpt2")), "llama": (llama, str(root / "llama")),
-            "llama_tied_bias": (llama_tied, str(root / "llama_tied_bias"))}
+            "llama_tied_bias": (llama_tied, str(root / "llama_tied_bias")), "mixtral": (mixtral, str(root / "mixtral"))}
 
 
 def _hf_tensors(hf_dir):
@@ -96,7 +110,7 @@ def _native_tensors(root):
 
 def _load_into(model, path, cfg):
     """Load ``path`` into a tp=1 single-stage ``model`` with the training loader itself; returns the metadata."""
-    state = SimpleNamespace(tp_rank=0, tp_size=1, pp_size=1, dp_size=1, virtual_pp=1, rank=0)
+    state = SimpleNamespace(tp_rank=0, tp_size=1, cp_size=1, pp_size=1, dp_size=1, virtual_pp=1, rank=0)
     return Checkpointer(cfg, state).load(path, chunks=[model], optimizer=None, schedule=None)
 
 
@@ -109,7 +123,7 @@ def _load_native(root, model_cfg):
     return model
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "llama_tied_bias"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "llama_tied_bias", "mixtral"])
 def test_round_trip_is_bit_exact_and_logits_match(hf_models, tmp_path, name):
     hf_model, hf_dir = hf_models[name]
     kind = name.split("_")[0]
@@ -119,16 +133,18 @@ def test_round_trip_is_bit_exact_and_logits_match(hf_models, tmp_path, name):
     step = os.path.join(native, "step_00000000")
     with open(os.path.join(step, "metadata.json")) as f:
         meta = json.load(f)
-    assert meta["layout"] == {"tp": 2, "pp": 2, "dp": None, "virtual_pp": 1, "zero_stage": None}
+    assert meta["layout"] == {"tp": 2, "cp": 1, "pp": 2, "dp": None, "virtual_pp": 1, "zero_stage": None}
     assert meta["has_optimizer"] is False and meta["config"]["parallel"]["tp"] == 2
     # layout-free: every weight stored whole, once, under its global name
     index = tensors.read_index(step)
     stored = {n.removeprefix("model/"): md for n, md in index.state_dict_metadata.items()}
-    assert {n.split(".")[1] for n in stored if n.startswith("layers.")} == {"0", "1", "2", "3"}
+    layers = hf_model.config.num_hidden_layers if kind != "gpt2" else hf_model.config.n_layer
+    assert {n.split(".")[1] for n in stored if n.startswith("layers.")} == {str(i) for i in range(layers)}
     assert all(len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == tuple(md.size) for md in stored.values())
     assert "embedding.word_embeddings.weight" in stored and "final_norm.weight" in stored
-    assert ("output_layer.weight" in stored) == (name == "llama")  # a tied head is the embedding, stored once
-    assert ("layers.0.attention.qkv.bias" in stored) == (name != "llama")
+    assert ("output_layer.weight" in stored) == (name in ("llama", "mixtral"))  # a tied head: the embedding, once
+    assert ("layers.0.attention.qkv.bias" in stored) == (name in ("gpt2", "llama_tied_bias"))
+    assert ("layers.1.mlp.experts.3.fc1.weight" in stored) == (name == "mixtral")
 
     cfg = load_config(os.path.join(native, "config.yaml"))
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.checkpoint.load) == (2, 2, os.path.abspath(native))
@@ -235,6 +251,38 @@ def test_a_version_1_checkpoint_is_refused_with_the_upgrade_and_upgrades_exactly
     assert _load_into(fresh, new, cfg)["step"] == 7
     for (name, expected), (_, loaded) in zip(model.named_parameters(), fresh.named_parameters()):
         assert torch.equal(loaded, expected), name
+
+
+def test_mixtral_experts_land_in_order_and_its_config_maps_both_ways(hf_models, tmp_path):
+    """Expert E's fc1 is its w1 (gate) rows then its w3 (up) rows, fc2 its w2; the MoE settings map both ways."""
+    hf_dir = hf_models["mixtral"][1]
+    hf_to_native(hf_dir, str(tmp_path / "native"), quiet=True)
+    hf, native = _hf_tensors(hf_dir), _native_tensors(str(tmp_path / "native"))
+    theirs = "model.layers.1.block_sparse_moe."
+    assert torch.equal(native["layers.1.mlp.router.weight"], hf[theirs + "gate.weight"])
+    for e in range(4):
+        fc1 = torch.cat([hf[f"{theirs}experts.{e}.w1.weight"], hf[f"{theirs}experts.{e}.w3.weight"]])
+        assert torch.equal(native[f"layers.1.mlp.experts.{e}.fc1.weight"], fc1)
+        assert torch.equal(native[f"layers.1.mlp.experts.{e}.fc2.weight"], hf[f"{theirs}experts.{e}.w2.weight"])
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = model_config_from_hf(json.load(f))
+    assert (cfg.num_experts, cfg.moe_topk, cfg.moe_ffn_size, cfg.moe_router, cfg.moe_capacity_factor,
+            cfg.moe_aux_loss_coeff, cfg.rope_base, cfg.norm_eps) == (4, 2, 48, "softmax", None, 0.02, 1e6, 1e-5)
+    back = hf_config_from_model(cfg, "float32")
+    assert (back["num_local_experts"], back["num_experts_per_tok"], back["intermediate_size"],
+            back["router_aux_loss_coef"], back["sliding_window"]) == (4, 2, 48, 0.02, None)
+    with pytest.raises(ValueError, match="moe_router=sigmoid"):
+        hf_config_from_model(replace(cfg, moe_router="sigmoid"), "float32")
+
+
+def test_mixtral_sliding_window_shorter_than_the_sequence_is_refused(tmp_path):
+    windowed = tmp_path / "windowed"
+    _mixtral(sliding_window=8).save_pretrained(windowed, safe_serialization=True)
+    with pytest.raises(ValueError, match=r"sliding_window = 8: is shorter than the sequence length 16.*"
+                                         r"Fix: convert with --seq-length 8 or less"):
+        hf_to_native(str(windowed), str(tmp_path / "out"), quiet=True)
+    hf_to_native(str(windowed), str(tmp_path / "short"), seq_length=8, quiet=True)
+    assert load_config(str(tmp_path / "short" / "config.yaml")).model.seq_length == 8
 
 
 def test_errors_name_the_problem(hf_models, tmp_path):

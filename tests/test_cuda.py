@@ -77,8 +77,48 @@ def test_sync_debug_mode_raises_on_a_host_sync():
 
 def test_micro_batches_reach_the_device_through_the_side_stream():
     from megatron_domino.pipeline.device_batches import DeviceBatches
-    host = [{"tokens": torch.arange(8).view(2, 4) + i} for i in range(3)]
+    host = [{"tokens": torch.arange(8).view(2, 4) + i, "doc_offsets": torch.tensor([[0, 4], [0, 4]])} for i in range(3)]
     batches = DeviceBatches(host, torch.device("cuda", 0))
     for i in range(3):
         tokens = batches[i]["tokens"]
         assert tokens.device.type == "cuda" and torch.equal(tokens.cpu(), host[i]["tokens"])
+        assert batches[i]["doc_offsets"] is host[i]["doc_offsets"]  # read on the host by document attention
+
+
+def test_document_attention_runs_flash_without_host_syncs():
+    """Packed documents on the pinned flash kernel, sliced by host offsets: no host sync, and the dense-masked
+    result within bf16 rounding."""
+    from megatron_domino.models.document_attention import document_attention
+    from tests.test_document_attention import dense_mask
+    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    offsets = torch.tensor([[0, 100, 101, 256], [0, 256, 256, 256]], dtype=torch.int32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with sdpa_backend("flash"):
+                out = document_attention(q, k, v, offsets)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert "aten::_scaled_dot_product_flash_attention" in {event.name for event in profile.events()}
+    mask = dense_mask(offsets, 256).cuda()
+    reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    torch.testing.assert_close(out.float(), reference, rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_ring_attention_kernels_on_cuda_equal_dense_attention(dtype, tolerance):
+    """Ring attention's CUDA kernels (memory-efficient attention with its log-sum-exp, whose rows are padded to
+    tiles) on one rank: every chunk pair of a 2-chunk sequence, with documents, against masked SDPA."""
+    from megatron_domino.models.ring_attention import Ring, ring_attention
+    seq, offsets = 48, torch.tensor([[0, 7, 30, 48], [0, 48, 48, 48]], dtype=torch.int32)
+    q, k, v, grad = (torch.randn(2, heads, seq, 16, device="cuda", dtype=dtype) for heads in (4, 2, 2, 4))
+    allowed = torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril().repeat(2, 1, 1, 1)
+    allowed[0, 0, 7:30, :7] = allowed[0, 0, 30:, :30] = False
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*leaves, attn_mask=allowed, enable_gqa=True)
+    want_grads = torch.autograd.grad(want, leaves, grad)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = ring_attention(*leaves, Ring(None, 0, 1), offsets)
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    for got_grad, want_grad in zip(torch.autograd.grad(got, leaves, grad), want_grads):
+        torch.testing.assert_close(got_grad, want_grad, rtol=tolerance, atol=tolerance)

@@ -114,18 +114,27 @@ def reference_masks(tokens, eod):
     return allowed, positions
 
 
+def mask_from_offsets(offsets, length):
+    """The dense mask the document offsets stand for: causal within [offsets[j], offsets[j + 1])."""
+    document = np.searchsorted(np.asarray(offsets), np.arange(length), side="right")
+    return np.tril(np.ones((length, length), dtype=bool)) & (document[:, None] == document[None, :])
+
+
 def test_eod_resets_match_the_loop_formulation():
     rng = np.random.default_rng(3)
     for _ in range(20):
         tokens = rng.integers(0, 5, SEQ + 1)  # EOD = 4 appears often, also first and last
         sample = make_sample(tokens, 4, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
         allowed, positions = reference_masks(tokens[:-1], 4)
-        np.testing.assert_array_equal(sample["attention_mask"][0].numpy(), allowed)
+        starts = [i + 1 for i in np.nonzero(tokens[:-2] == 4)[0]]  # an EOD in the last position starts none
+        offsets = sample["doc_offsets"]
+        assert offsets.dtype == torch.int32 and offsets.tolist() == [0, *starts, SEQ]
+        np.testing.assert_array_equal(mask_from_offsets(offsets.numpy(), SEQ), allowed)
         np.testing.assert_array_equal(sample["position_ids"].numpy(), positions)
         np.testing.assert_array_equal(sample["loss_mask"].numpy(), (tokens[:-1] != 4).astype(np.float32))
         np.testing.assert_array_equal(sample["labels"].numpy(), tokens[1:])
     plain = make_sample(tokens, 4)
-    assert "attention_mask" not in plain and plain["loss_mask"].sum() == SEQ
+    assert "doc_offsets" not in plain and plain["loss_mask"].sum() == SEQ
     assert plain["position_ids"].tolist() == list(range(SEQ))
 
 
@@ -159,7 +168,7 @@ def test_builder_splits_and_rank0_builds_once(tmp_path, monkeypatch):
     assert test is None and len(train) >= 50 and len(valid) >= 10
     assert set(train.document_index) == set(range(80)) and set(valid.document_index) == set(range(80, 100))
     assert all(torch.equal(train[i]["tokens"], train1[i]["tokens"]) for i in range(len(train)))
-    assert "position_ids" in train[0] and "attention_mask" not in train[0]
+    assert "position_ids" in train[0] and "doc_offsets" not in train[0]
 
 
 def test_mock_dataset_is_deterministic_and_has_eods(tmp_path):
@@ -172,7 +181,8 @@ def test_mock_dataset_is_deterministic_and_has_eods(tmp_path):
     assert not torch.equal(train[5]["tokens"], valid[5]["tokens"])
     tokens = torch.stack([train[i]["tokens"] for i in range(64)])
     assert tokens.max() == 49 and tokens.min() >= 0 and (tokens == 49).sum() > 0
-    assert train[0]["attention_mask"].shape == (1, SEQ, SEQ)
+    offsets = train[0]["doc_offsets"].tolist()
+    assert offsets[0] == 0 and offsets[-1] == SEQ and offsets == sorted(set(offsets))
     assert isinstance(train, MockGPTDataset)
 
 

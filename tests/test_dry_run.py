@@ -41,15 +41,16 @@ def _row(text: str, rank: int) -> list[str]:
 def test_dry_run_of_a_1024_gpu_layout_on_one_cpu_process(no_collectives):
     cfg = load_config(os.path.join(ROOT, "configs/gpt/175b.yaml"))
     text = dry_run(cfg, 1024)
-    assert "1024 ranks on 128 node(s) x 8" in text and "world 1024 = tp 8 x pp 16 x dp 8" in text
+    assert "1024 ranks on 128 node(s) x 8" in text and "world 1024 = tp 8 x cp 1 x pp 16 x dp 8" in text
     rows = [line.split() for line in text.splitlines() if re.match(r"^ *\d+ +node", line)]
     assert [int(r[0]) for r in rows] == list(range(8)) + list(range(1016, 1024))
-    for rank, host, tp, pp, dp in rows:  # order tp-dp-pp: rank = tp + 8 * dp + 64 * pp; 8 GPUs per node
-        assert int(rank) == int(tp) + 8 * int(dp) + 64 * int(pp)
+    for rank, host, tp, cp, pp, dp in rows:  # order tp-cp-dp-pp: rank = tp + 8 * dp + 64 * pp; 8 GPUs per node
+        assert int(rank) == int(tp) + 8 * int(dp) + 64 * int(pp) and cp == "0"
         assert host == f"node{int(rank) // 8}/gpu{int(rank) % 8}"
-    assert _row(text, 1023)[1:] == ["node127/gpu7", "7", "15", "7"]
+    assert _row(text, 1023)[1:] == ["node127/gpu7", "7", "0", "15", "7"]
     assert len(text.splitlines()) < 45, "1024 ranks must print in a compact form"
     assert "tensor parallel: 128 groups of 8, each inside one node" in text
+    assert "context parallel (ring order): 1024 groups of 1" in text and "data x context" not in text
     assert "data parallel: 128 groups of 8, spanning nodes; first [0, 8, 16, 24, 32, 40, 48, 56]" in text
     assert "pipeline (stage order): 64 groups of 16" in text
     assert "embedding (first + last stage): 64 groups of 2" in text
@@ -61,8 +62,27 @@ def test_dry_run_of_a_1024_gpu_layout_on_one_cpu_process(no_collectives):
 def test_small_world_prints_every_rank_and_memory_in_mib(no_collectives):
     cfg = load_config(os.path.join(ROOT, "configs/tiny/llama.yaml"), ["parallel.tp=2", "parallel.pp=2"])
     text = dry_run(cfg, 8, gpus_per_node=4, gpu="cpu")
-    assert [_row(text, r)[2:] for r in range(8)] == [[str(r % 2), str(r // 4), str(r // 2 % 2)] for r in range(8)]
+    assert [_row(text, r)[2:] for r in range(8)] == [[str(r % 2), "0", str(r // 4), str(r // 2 % 2)] for r in range(8)]
     assert "MiB -> fits" in text
+
+
+def test_context_parallel_rings_and_gradient_groups(no_collectives):
+    """tp 2 x cp 2 x dp 2 on two 4-GPU nodes, order tp-cp-dp-pp: rank = tp + 2 * cp + 4 * dp."""
+    cfg = load_config(os.path.join(ROOT, "configs/tiny/llama.yaml"), ["parallel.tp=2", "parallel.cp=2"])
+    text = dry_run(cfg, 8, gpus_per_node=4, gpu="cpu")
+    assert "world 8 = tp 2 x cp 2 x pp 1 x dp 2" in text
+    assert [_row(text, r)[1:] for r in (0, 2, 3, 6)] == [["node0/gpu0", "0", "0", "0", "0"],
+                                                          ["node0/gpu2", "0", "1", "0", "0"],
+                                                          ["node0/gpu3", "1", "1", "0", "0"],
+                                                          ["node1/gpu2", "0", "1", "0", "1"]]
+    assert "context parallel (ring order): 4 groups of 2, each inside one node; first [0, 2]" in text
+    assert "data parallel: 4 groups of 2, spanning nodes; first [0, 4]" in text
+    assert "gradients and ZeRO (data x context parallel): 2 groups of 4, spanning nodes; first [0, 2, 4, 6]" in text
+    assert "each sequence split over 2 context-parallel ranks, 32 tokens each" in text
+    ring_first = load_config(os.path.join(ROOT, "configs/tiny/llama.yaml"),
+                             ["parallel.tp=2", "parallel.cp=4", "parallel.order=cp-tp-dp-pp"])
+    assert "context parallel (ring order): 4 groups of 4, each inside one node; first [0, 1, 2, 3]" in dry_run(
+        ring_first, 16, gpus_per_node=4, gpu="cpu")
 
 
 def test_invalid_layout_fails_with_the_key_and_a_fix(capsys):
@@ -82,7 +102,7 @@ def test_main_takes_the_world_size_from_the_launcher(monkeypatch, capsys):
     assert dry_run_module.main(["--config", config]) == 2
     monkeypatch.setenv("SLURM_NTASKS", "4")
     assert dry_run_module.main(["--config", config, "--gpu", "cpu", "parallel.pp=2"]) == 0
-    assert "world 4 = tp 1 x pp 2 x dp 2" in capsys.readouterr().out
+    assert "world 4 = tp 1 x cp 1 x pp 2 x dp 2" in capsys.readouterr().out
 
 
 # ----- the launch scripts --------------------------------------------------------------------------

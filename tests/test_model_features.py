@@ -1,9 +1,10 @@
-"""Single-process checks of the model's switches: RNG streams, recompute, document masks, launch env."""
+"""Single-process checks of the model's switches: RNG streams, recompute, packed documents, launch env."""
 import os
 
 import torch
 
 from megatron_domino.config import ModelConfig
+from megatron_domino.data.loader import pad_offsets
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.parallel import launch
 from megatron_domino.parallel.random import capture_rng_state, get_tracker, restore_rng_state, seed_streams
@@ -70,25 +71,35 @@ def _loss_without_dropout():
     return model(None, {"tokens": tokens, "labels": tokens.roll(-1, 1)}).mean().detach()
 
 
-def test_document_mask_and_position_reset_isolate_documents():
-    """Two packed documents with EOD resets give each document the loss it has alone."""
-    for cfg in (CFG, ModelConfig(**{**CFG.__dict__, "position_embedding": "rope", "norm": "rmsnorm"})):
-        model = LanguageModel(cfg).eval()
-        initialize_weights(model, seed=5)
-        g = torch.Generator().manual_seed(1)
-        first, second = torch.randint(0, cfg.vocab_size, (1, 6), generator=g), torch.randint(0, 99, (1, 10), generator=g)
-        packed = torch.cat([first, second], dim=1)
-        labels = packed.roll(-1, 1)
-        document = torch.tensor([0] * 6 + [1] * 10)
-        causal = torch.ones(16, 16, dtype=torch.bool).tril()
-        mask = (causal & (document[:, None] == document[None, :]))[None, None]
-        positions = torch.cat([torch.arange(6), torch.arange(10)])[None]
-        with torch.no_grad():
-            packed_loss = model(None, {"tokens": packed, "labels": labels, "position_ids": positions,
-                                       "attention_mask": mask})
-            alone = model(None, {"tokens": torch.cat([second, torch.zeros(1, 6, dtype=torch.long)], dim=1),
-                                 "labels": torch.cat([labels[:, 6:], torch.zeros(1, 6, dtype=torch.long)], dim=1)})
-        torch.testing.assert_close(packed_loss[0, 6:], alone[0, :10], rtol=1e-5, atol=1e-5)
+def _packed_and_alone(cfg):
+    """Per-token losses and gradients of two packed rows (padded offsets) and of each document run alone."""
+    model = LanguageModel(cfg)
+    initialize_weights(model, seed=5)
+    g = torch.Generator().manual_seed(1)
+    tokens, labels = torch.randint(0, cfg.vocab_size, (2, 2, cfg.seq_length), generator=g)
+    rows = [[0, 6, 16], [0, 1, 2, 9, 16]]
+    offsets = pad_offsets([torch.tensor(row, dtype=torch.int32) for row in rows])
+    positions = torch.stack([torch.cat([torch.arange(b - a) for a, b in zip(row, row[1:])]) for row in rows])
+    packed = model(None, {"tokens": tokens, "labels": labels, "position_ids": positions, "doc_offsets": offsets})
+    packed_grads = torch.autograd.grad(packed.sum(), list(model.parameters()))
+    alone = torch.zeros_like(packed)
+    for i, row in enumerate(rows):
+        for a, b in zip(row, row[1:]):
+            alone[i, a:b] = model(None, {"tokens": tokens[i:i + 1, a:b], "labels": labels[i:i + 1, a:b],
+                                         "position_ids": torch.arange(b - a)[None]})[0]
+    alone_grads = torch.autograd.grad(alone.sum(), list(model.parameters()))
+    return packed, packed_grads, alone, alone_grads
+
+
+def test_packed_documents_train_as_if_each_ran_alone():
+    """With document offsets and position resets, each packed document's losses and its share of the gradients
+    equal those of the document run alone: GPT; Llama-style with GQA on the flash kernel and both recomputes."""
+    llama = {"position_embedding": "rope", "norm": "rmsnorm", "num_query_groups": 2, "attention_backend": "flash"}
+    for changes in ({}, llama, {**llama, "recompute": "selective"}, {**llama, "recompute": "full"}):
+        packed, packed_grads, alone, alone_grads = _packed_and_alone(ModelConfig(**{**CFG.__dict__, **changes}))
+        torch.testing.assert_close(packed, alone, rtol=1e-6, atol=1e-6)
+        for grad, expected in zip(packed_grads, alone_grads):
+            torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_slurm_variables_map_to_torchrun_ones(monkeypatch):

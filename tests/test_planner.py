@@ -259,8 +259,10 @@ def test_every_ranked_layout_is_valid_and_ranking_puts_fitting_fast_ones_first()
     cfg = _tiny(GPT)
     ranked = rank_layouts(cfg, CPU, nodes=1, gpus_per_node=8)
     assert {(e.layout.tp, e.layout.pp) for e in ranked} >= {(1, 1), (2, 2), (4, 2), (2, 4)}
-    for est in ranked:
-        validate_config(est.layout.apply(cfg), world_size=8, check_paths=False)
+    assert {e.layout.cp for e in ranked} == {1, 2, 4, 8}
+    for est in ranked:  # the search validates one layout per (tp, cp, pp); recompute is not among the rules
+        if est.layout.recompute == "none":
+            validate_config(est.layout.apply(cfg), world_size=8, check_paths=False)
     for est in ranked[:3]:  # what --emit prints goes through the loader too
         assert load_config(GPT, est.layout.overrides()) == est.layout.apply(cfg)
     fitting = [e for e in ranked if e.fits]

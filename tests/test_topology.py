@@ -27,6 +27,34 @@ EXPECTED = {
         emb=[[0, 2], [1, 3], [4, 6], [5, 7]]),
 }
 
+# (tp, cp, pp, dp) in the default order tp-cp-dp-pp -> expected groups, by hand.
+CP_EXPECTED = {
+    (2, 2, 2, 1): dict(tp=[[0, 1], [2, 3], [4, 5], [6, 7]], cp=[[0, 2], [1, 3], [4, 6], [5, 7]],
+                       dp=[[r] for r in range(8)], dp_cp=[[0, 2], [1, 3], [4, 6], [5, 7]],
+                       pp=[[0, 4], [1, 5], [2, 6], [3, 7]]),
+    (2, 2, 1, 2): dict(tp=[[0, 1], [2, 3], [4, 5], [6, 7]], cp=[[0, 2], [1, 3], [4, 6], [5, 7]],
+                       dp=[[0, 4], [1, 5], [2, 6], [3, 7]], dp_cp=[[0, 2, 4, 6], [1, 3, 5, 7]],
+                       pp=[[r] for r in range(8)]),
+    (1, 4, 1, 2): dict(tp=[[r] for r in range(8)], cp=[[0, 1, 2, 3], [4, 5, 6, 7]],
+                       dp=[[0, 4], [1, 5], [2, 6], [3, 7]], dp_cp=[list(range(8))], pp=[[r] for r in range(8)]),
+}
+
+
+@pytest.mark.parametrize("layout", list(CP_EXPECTED), ids=lambda l: "tp{}-cp{}-pp{}-dp{}".format(*l))
+def test_context_parallel_groups_match_hand_written_layout(layout):
+    tp, cp, pp, dp = layout
+    topo = Topology(tp * cp * pp * dp, tp=tp, pp=pp, dp=dp, cp=cp)
+    want = CP_EXPECTED[layout]
+    assert topo.tp_groups() == want["tp"] and topo.cp_groups() == want["cp"]
+    assert topo.dp_groups() == want["dp"] and topo.dp_cp_groups() == want["dp_cp"]
+    assert sorted(topo.pp_groups()) == want["pp"]
+    for rank in range(topo.world_size):
+        c = topo.coordinate(rank)
+        assert topo.rank_of(tp=c.tp, pp=c.pp, dp=c.dp, cp=c.cp) == rank
+        ring = next(g for g in topo.cp_groups() if rank in g)
+        assert ring[c.cp] == rank  # the ring runs in cp order
+    assert Topology(8, tp=2, pp=2, order="tp-dp-pp").order == "tp-cp-dp-pp"  # orders from before CP still work
+
 
 @pytest.mark.parametrize("layout", list(EXPECTED), ids=lambda l: "tp{}-pp{}-dp{}-{}".format(*l))
 def test_groups_match_hand_written_layout(layout):
@@ -53,11 +81,13 @@ def test_dp_inferred_and_rank_map():
     topo = Topology(16, tp=2, pp=4)
     assert topo.dp == 2
     table = topo.rank_map()
-    assert "world 16 = tp 2 x pp 4 x dp 2" in table and len(table.splitlines()) == 18
+    assert "world 16 = tp 2 x cp 1 x pp 4 x dp 2" in table and len(table.splitlines()) == 18
 
 
 @pytest.mark.parametrize("kwargs, key", [
-    (dict(world_size=8, tp=3), "parallel.tp * parallel.pp"),
+    (dict(world_size=8, tp=3), "parallel.tp * parallel.cp * parallel.pp"),
+    (dict(world_size=8, tp=2, cp=3), "parallel.tp * parallel.cp * parallel.pp"),
+    (dict(world_size=8, cp=0), "parallel.cp"),
     (dict(world_size=8, tp=2, pp=2, dp=3), "parallel.dp"),
     (dict(world_size=8, tp=0), "parallel.tp"),
     (dict(world_size=8, order="tp-pp"), "parallel.order"),
@@ -93,6 +123,16 @@ def _check_real_groups(rank, world_size):
         assert mpu.get_pipeline_model_parallel_first_rank() == ps.pp_ranks[0]
         assert mpu.get_pipeline_model_parallel_next_rank() == ps.topology.next_pp_rank(rank)
         state.destroy()
+    for (tp, cp, pp, dp), want in CP_EXPECTED.items():
+        ps = state.initialize(Topology(world_size, tp=tp, pp=pp, dp=dp, cp=cp), print_rank_map=False)
+        for name, group in (("cp", ps.cp_group), ("dp_cp", ps.dp_cp_group), ("pp", ps.pp_group)):
+            members = next(g for g in want[name] if rank in g)
+            value = torch.tensor([float(rank)])
+            dist.all_reduce(value, group=group)
+            assert value.item() == sum(members), ((tp, cp, pp, dp), name, value, members)
+        assert mpu.get_context_parallel_world_size() == cp and ps.cp_ranks == next(g for g in want["cp"] if rank in g)
+        assert mpu.get_context_parallel_rank() == ps.topology.coordinate(rank).cp
+        state.destroy()
     assert not mpu.model_parallel_is_initialized()
     mpu.initialize_model_parallel(2, 2)
     table = state.get().rank_map()
@@ -103,4 +143,4 @@ def _check_real_groups(rank, world_size):
 
 def test_eight_real_ranks_collective_on_every_group():
     tables = run_ranks(_check_real_groups, 8, timeout=120)
-    assert "world 8 = tp 2 x pp 2 x dp 2" in tables[0]
+    assert "world 8 = tp 2 x cp 1 x pp 2 x dp 2" in tables[0]

@@ -13,6 +13,8 @@ from tests.training_runs import REPO, environment, kill_group, losses, metrics, 
 
 TOL = 1e-5
 LAYOUT_222 = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "parallel.domino=true"]
+# Packed documents: offsets sliced by Domino's rows, read by every stage from host memory.
+DOCUMENTS = ["data.reset_attention_mask=true", "data.reset_position_ids=true"]
 
 
 def _assert_close(run, reference, steps, tol=TOL):
@@ -20,13 +22,19 @@ def _assert_close(run, reference, steps, tol=TOL):
         assert abs(run[step] - reference[step]) <= tol * abs(reference[step]), (step, run[step], reference[step])
 
 
-@pytest.mark.parametrize("family, extra", [("gpt", []), ("llama", []), ("llama", ["parallel.sequence_parallel=true"])],
-                         ids=["gpt", "llama", "llama-sequence-parallel"])
-def test_eight_ranks_match_one_process(tmp_path, family, extra):
-    """10 steps at (1,1,1) as a bare process and at (2,2,2) with Domino under torchrun: same losses."""
+# tp 2 x cp 2 x pp 2: context parallelism through the trainer (its split of each micro-batch), ZeRO over dp x cp.
+CONTEXT_PARALLEL = ["parallel.sequence_parallel=true", "parallel.dp=1", "parallel.cp=2"]
+
+
+@pytest.mark.parametrize("family, extra, data", [("gpt", [], []), ("llama", [], []),
+                                                 ("llama", CONTEXT_PARALLEL, DOCUMENTS)],
+                         ids=["gpt", "llama", "llama-context-parallel-sequence-parallel-documents"])
+def test_eight_ranks_match_one_process(tmp_path, family, extra, data):
+    """10 steps at (1,1,1) as a bare process and at (2,2,2) with Domino under torchrun (the last case at
+    tp 2 x cp 2 x pp 2): same losses."""
     single, parallel = str(tmp_path / "single"), str(tmp_path / "parallel")
-    train(family, 1, single, ["train.steps=10"])
-    train(family, 8, parallel, ["train.steps=10", "optimizer.zero_stage=2", *LAYOUT_222, *extra])
+    train(family, 1, single, ["train.steps=10", *data])
+    train(family, 8, parallel, ["train.steps=10", "optimizer.zero_stage=2", *LAYOUT_222, *extra, *data])
     one, eight = losses(single), losses(parallel)
     assert sorted(one) == list(range(1, 11)) and sorted(eight) == list(range(1, 11))
     _assert_close(eight, one, range(1, 11))

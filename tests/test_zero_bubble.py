@@ -8,15 +8,9 @@ import torch
 
 from megatron_domino.config.schema import OptimizerConfig
 from megatron_domino.models import LanguageModel, initialize_weights
-from megatron_domino.models.full_state import gather_full
-from megatron_domino.models.language_model import WORD_EMBEDDINGS
-from megatron_domino.optim.distributed_optimizer import DistributedOptimizer
-from megatron_domino.parallel import Topology, state as parallel_state
-from megatron_domino.pipeline.engine import PipelineEngine
-from megatron_domino.pipeline.finalize_grads import finalize_grads
-from megatron_domino.pipeline.stages import build_stage_chunks
 from megatron_domino.pipeline.strict_transport import StrictP2P
 from tests.harness import run_ranks
+from tests.parity import assert_same_run, reference_steps, train_steps
 from tests.test_pipeline import GLOBAL_BATCH, GPT, LLAMA, MICRO_BATCH, _config
 
 TOL, STEPS, LR = 1e-5, 6, 0.5
@@ -32,62 +26,28 @@ def _batches(model):
 
 
 def _reference(model):
-    """One process, the whole batch, plain SGD: the loss of every step and the final weights."""
-    dense = LanguageModel(model)
-    initialize_weights(dense, seed=3)
-    losses = []
-    for tokens, labels, mask in _batches(model):
-        dense.zero_grad(set_to_none=True)
-        loss = (dense(None, {"tokens": tokens, "labels": labels}) * mask).sum() / mask.sum()
-        loss.backward()
-        with torch.no_grad():
-            for p in dense.parameters():
-                p -= LR * p.grad
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in dense.named_global_parameters()}
+    return reference_steps(model, ({"tokens": t, "labels": l, "loss_mask": m} for t, l, m in _batches(model)), LR)
 
 
 def _train(world_size, cfg):
-    par = cfg.parallel
-    ps = parallel_state.initialize(Topology(world_size, par.tp, par.pp, par.dp), print_rank_map=False)
-    chunks = build_stage_chunks(cfg, ps, init_seed=3)
-    optimizer = DistributedOptimizer(chunks, OPT, dp_group=ps.dp_group, tp_rank=ps.tp_rank,
-                                     norm_groups=[ps.tp_group, ps.pp_group], bucket_alone=(WORD_EMBEDDINGS,))
-    per_rank = GLOBAL_BATCH // ps.dp_size
-    rows = slice(ps.dp_rank * per_rank, (ps.dp_rank + 1) * per_rank)
-    engine = None
-    losses = []
-    for tokens, labels, mask in _batches(cfg.model):
-        micro = [{"tokens": t, "labels": l, "loss_mask": m} for t, l, m in zip(
-            tokens[rows].split(MICRO_BATCH), labels[rows].split(MICRO_BATCH), mask[rows].split(MICRO_BATCH))]
-        if engine is None:
-            engine = PipelineEngine(chunks, ps, cfg, device=torch.device("cpu"), dtype=torch.float32,
-                                    num_microbatches=len(micro), on_backward=optimizer.set_last_microbatch)
-            assert isinstance(engine.executor.p2p, StrictP2P)
-            assert any(s.op == "backward_weight" for s in engine.schedule)
-        optimizer.zero_grad()
-        losses.append(engine.forward_backward(micro).item())
-        finalize_grads(chunks, ps, optimizer)
-        optimizer.step(LR)
-    weights = {}
-    for chunk in chunks:
-        table = chunk.sharding()
-        for name, p in chunk.named_global_parameters():
-            weights[name] = gather_full(p.detach(), table[name], ps.tp_group)
-    parallel_state.destroy()
-    return losses, weights
+    def steps(ps):
+        per_rank = GLOBAL_BATCH // ps.dp_size
+        rows = slice(ps.dp_rank * per_rank, (ps.dp_rank + 1) * per_rank)
+        for tokens, labels, mask in _batches(cfg.model):
+            yield [{"tokens": t, "labels": l, "loss_mask": m} for t, l, m in zip(
+                tokens[rows].split(MICRO_BATCH), labels[rows].split(MICRO_BATCH), mask[rows].split(MICRO_BATCH))]
+
+    def zero_bubble_under_strict_transport(engine):
+        assert isinstance(engine.executor.p2p, StrictP2P)
+        assert any(s.op == "backward_weight" for s in engine.schedule)
+    return train_steps(world_size, cfg, OPT, steps, LR, zero_bubble_under_strict_transport)
 
 
 def _check(rank, world_size, layouts):
     for model, cfg in layouts:
         ref_losses, ref_weights = _reference(model)
         losses, weights = _train(world_size, cfg)
-        for step, (got, want) in enumerate(zip(losses, ref_losses)):
-            assert abs(got - want) <= TOL * abs(want), (cfg.parallel, step, got, want)
-        for name, weight in weights.items():
-            expected = ref_weights[name][:weight.shape[0]]
-            err = ((weight - expected).abs().max() / expected.abs().max()).item()
-            assert err <= TOL, f"{cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp} {name}: {err:.2e}"
+        assert_same_run((cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp), losses, weights, ref_losses, ref_weights)
 
 
 def _zb(model, tp, pp, dp):

@@ -1,8 +1,8 @@
-"""The parallelism planner: every valid (tp, pp, dp, virtual pp, micro batch, recompute, ZeRO) layout for a
-cluster, with its per-GPU memory and step time, ranked fastest first among those that fit.
+"""The parallelism planner: every valid (tp, cp, pp, dp, virtual pp, micro batch, recompute, ZeRO) layout for
+a cluster, with its per-GPU memory and step time, ranked fastest first among those that fit.
 
     python tools/plan.py --model gpt3-175b --gpu h100-80gb --nodes 16 --gpus-per-node 8
-        [--seq-length 2048] [--global-batch 1536] [--top 10] [--emit] [--tp 8] [--pp 8,16] [key=value ...]
+        [--seq-length 2048] [--global-batch 1536] [--top 10] [--emit] [--tp 8] [--cp 1,2] [--pp 8,16] [key=value ...]
 
 --model takes a config file or a size name (gpt3-175b, llama2-70b, tiny-gpt, ... as listed by --help).
 --emit prints only the best layout, as overrides for pretrain_gpt.py / pretrain_llama.py. The
@@ -80,6 +80,7 @@ def parse_args(argv):
                    help="share the column split hides (what micro batch 1 runs)")
     p.add_argument("--overhead-gib", type=float, help="fixed per-GPU overhead (default: the GPU's entry)")
     p.add_argument("--tp", type=_list(_count), help="only these tp sizes (comma-separated)")
+    p.add_argument("--cp", type=_list(_count), help="only these context-parallel sizes")
     p.add_argument("--pp", type=_list(_count), help="only these pp sizes")
     p.add_argument("--vpp", type=_list(_count), help="only these virtual pp sizes")
     p.add_argument("--mbs", type=_list(_count), help="only these micro batch sizes")
@@ -91,7 +92,7 @@ def parse_args(argv):
 
 
 def _filters(args) -> dict:
-    only = {"tp": args.tp, "pp": args.pp, "virtual_pp": args.vpp, "micro_batch": args.mbs,
+    only = {"tp": args.tp, "cp": args.cp, "pp": args.pp, "virtual_pp": args.vpp, "micro_batch": args.mbs,
             "recompute": args.recompute, "zero_stage": args.zero}
     only = {key: value for key, value in only.items() if value is not None}
     if args.tp_comm is not None:

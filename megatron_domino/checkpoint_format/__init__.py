@@ -49,9 +49,14 @@ def rng_file(rank: int) -> str:
     return os.path.join("rng", f"rank{rank:05d}.pt")
 
 
-def layout(tp: int, pp: int, dp: int | None, virtual_pp: int, zero_stage: int | None) -> dict:
+def layout(tp: int, pp: int, dp: int | None, virtual_pp: int, zero_stage: int | None, cp: int = 1) -> dict:
     """The layout a checkpoint was saved at (None: not tied to one, as after an offline conversion)."""
-    return {"tp": tp, "pp": pp, "dp": dp, "virtual_pp": virtual_pp, "zero_stage": zero_stage}
+    return {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "virtual_pp": virtual_pp, "zero_stage": zero_stage}
+
+
+def saved_layout(meta: dict) -> dict:
+    """metadata.json's layout, with cp 1 where it was written before context parallelism existed."""
+    return {"cp": 1, **meta.get("layout", {})}
 
 
 def metadata(step: int, config: dict, layout: dict, *, consumed_samples: int = 0, lr_schedule: dict | None = None,

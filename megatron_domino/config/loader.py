@@ -55,7 +55,7 @@ for _cls in (_Loader, _Dumper):
     _cls.add_implicit_resolver(_FLOAT_TAG, _FLOAT_RE, list("-+0123456789."))
 
 # The schema types these lists as a bare ``list``; their items are checked here.
-_LIST_ITEM_TYPES = {"parallel.pipeline_layout": int, "data.path": str}
+_LIST_ITEM_TYPES = {"parallel.pipeline_layout": int, "data.path": str, "model.moe_layer_freq": int}
 
 
 def parse_yaml_value(text: str) -> Any:
@@ -94,6 +94,8 @@ def _convert(key: str, value: Any, hint: Any, problems: list[Problem]) -> Any:
         if value is None:
             return None
         hint = next(a for a in args if a is not type(None))
+    if typing.get_origin(hint) is typing.Union:  # int | list: the value's own kind picks
+        hint = list if isinstance(value, (list, tuple)) else next(a for a in typing.get_args(hint) if a is not list)
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is bool:
         if isinstance(value, bool):

@@ -8,11 +8,12 @@ beside it (``loader.py``, ``validate.py``); nothing else in the package invents 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 POSITION_EMBEDDINGS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+MOE_ROUTERS = ("softmax", "sigmoid")
 RECOMPUTE = ("none", "selective", "full")  # least to most recomputation
 ATTENTION_BACKENDS = ("auto", "flash", "efficient", "math")
 
@@ -47,6 +48,16 @@ class ModelConfig:
     init_std: float = 0.02
     recompute: str = "none"  # RECOMPUTE
     attention_backend: str = "auto"  # ATTENTION_BACKENDS: SDPA kernel; pinned ones raise if unusable
+    # Mixture of experts (models/moe.py); num_experts None or 0: every layer has the dense MLP
+    num_experts: Optional[int] = None
+    moe_topk: int = 2  # experts per token
+    moe_ffn_hidden_size: Optional[int] = None  # one expert's FFN width; None: ffn_hidden_size
+    moe_router: str = "softmax"  # MOE_ROUTERS: Mixtral's softmax top-k, or DeepSeek-V3's sigmoid scores
+    moe_aux_loss_coeff: float = 0.01  # load-balancing loss (Switch / Mixtral)
+    moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
+    moe_capacity_factor: Optional[float] = None  # None: dropless
+    moe_shared_experts: int = 0  # always-on experts, as one MLP of this many experts' width
+    moe_layer_freq: Union[int, list] = 1  # MoE every k-th layer from layer 0, or one 0/1 per layer (Megatron)
 
     @property
     def ffn_size(self) -> int:
@@ -55,6 +66,18 @@ class ModelConfig:
         if self.activation == "swiglu":
             return 256 * -(-(8 * self.hidden_size // 3) // 256)  # Llama's rounding to a multiple of 256
         return 4 * self.hidden_size
+
+    @property
+    def moe_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` has experts instead of the dense MLP (``moe_layer_freq``)."""
+        if not self.num_experts:
+            return False
+        if isinstance(self.moe_layer_freq, list):
+            return bool(self.moe_layer_freq[layer])
+        return layer % self.moe_layer_freq == 0
 
     @property
     def head_dim(self) -> int:
@@ -74,7 +97,17 @@ class ModelConfig:
         return multiple * -(-self.vocab_size // multiple)
 
 
-AXES = ("tp", "dp", "pp")  # parallel.order is these joined by '-', innermost first
+AXES = ("tp", "cp", "dp", "pp")  # parallel.order is these joined by '-', innermost first (cp optional)
+
+
+def full_order(order: str) -> str:
+    """``order`` with the cp axis placed right after tp when it is not named (orders from before CP)."""
+    axes = order.split("-")
+    if "cp" not in axes and "tp" in axes:
+        axes.insert(axes.index("tp") + 1, "cp")
+    return "-".join(axes)
+
+
 DOMINO_SPLITS = ("row", "column", "2d")
 DOMINO_OVERLAPS = ("intra", "inter")
 PIPELINE_PARTITIONS = ("uniform", "parameters")
@@ -84,13 +117,14 @@ BACKENDS = ("auto", "nccl", "gloo")
 
 @dataclass
 class ParallelConfig:
-    """How the world is cut: TP x PP x DP, rank order, Domino and the pipeline layout."""
+    """How the world is cut: TP x CP x PP x DP, rank order, Domino and the pipeline layout."""
 
     tp: int = 1
     pp: int = 1
-    dp: Optional[int] = None  # None: world_size // (tp * pp)
+    dp: Optional[int] = None  # None: world_size // (tp * cp * pp)
+    cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention); Megatron's context_parallel_size
     virtual_pp: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
-    order: str = "tp-dp-pp"  # a permutation of AXES, innermost axis first
+    order: str = "tp-cp-dp-pp"  # a permutation of AXES, innermost axis first
     sequence_parallel: bool = False
     domino: bool = False
     domino_chunks: int = 2  # micro-batch split into this many mu-chunks (row split)
@@ -108,6 +142,7 @@ class ParallelConfig:
     collective_timeout_s: Optional[float] = None
     # debug: make gloo obey NCCL's rules (untagged, rendezvous p2p; host tensors refused by collectives)
     strict_transport: bool = False
+    ep: int = 1  # expert parallel size, taken from the data-parallel ranks (not built yet: 1 only)
 
 
 @dataclass

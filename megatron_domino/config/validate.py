@@ -14,6 +14,7 @@ from typing import Any
 from .data_path import parse_data_path
 from .errors import ConfigError, Problem
 from .loader import config_from_dict, config_to_dict
+from .validate_moe import check_moe
 from .schema import (
     ACTIVATIONS,
     ATTENTION_BACKENDS,
@@ -34,6 +35,7 @@ from .schema import (
     WANDB_MODES,
     ZERO_STAGES,
     Config,
+    full_order,
 )
 
 # Files a tokenizer type cannot work without.
@@ -108,9 +110,6 @@ def _check_model(c: _Checks, cfg: Config) -> None:
     c.one_of("model.activation", m.activation, ACTIVATIONS)
     c.one_of("model.recompute", m.recompute, RECOMPUTE)
     c.one_of("model.attention_backend", m.attention_backend, ATTENTION_BACKENDS)
-    if m.attention_backend == "flash" and cfg.data.reset_attention_mask:
-        c.fail("model.attention_backend", m.attention_backend, "the flash kernel takes no attention mask, and "
-               "data.reset_attention_mask=true builds one", "use model.attention_backend=efficient or auto")
     if m.attention_backend == "flash" and not (cfg.train.bf16 or cfg.train.fp16):
         c.warnings.append("model.attention_backend=flash with fp32 weights runs on the CPU only: CUDA's flash "
                           "kernel takes bf16 or fp16 (set train.bf16=true)")
@@ -195,7 +194,7 @@ def _check_timeouts(c: _Checks, p) -> None:
 def _check_parallel(c: _Checks, cfg: Config, world_size: int | None) -> int | None:
     """Returns the data-parallel size when it is known (set, or inferable from world_size)."""
     p, m = cfg.parallel, cfg.model
-    ok = all([c.positive("parallel.tp", p.tp), c.positive("parallel.pp", p.pp),
+    ok = all([c.positive("parallel.tp", p.tp), c.positive("parallel.pp", p.pp), c.positive("parallel.cp", p.cp),
               c.positive("parallel.dp", p.dp, optional=True), c.positive("parallel.virtual_pp", p.virtual_pp)])
     _check_timeouts(c, p)
     c.positive("parallel.domino_chunks", p.domino_chunks)
@@ -203,27 +202,29 @@ def _check_parallel(c: _Checks, cfg: Config, world_size: int | None) -> int | No
     c.one_of("parallel.domino_overlap", p.domino_overlap, DOMINO_OVERLAPS)
     c.one_of("parallel.backend", p.backend, BACKENDS)
     c.one_of("parallel.pipeline_partition", p.pipeline_partition, PIPELINE_PARTITIONS)
-    if sorted(p.order.split("-")) != sorted(AXES):
-        c.fail("parallel.order", p.order, "must be a permutation of tp, dp, pp joined by '-'",
-               "use 'tp-dp-pp' (TP innermost)")
+    if sorted(full_order(p.order).split("-")) != sorted(AXES):
+        c.fail("parallel.order", p.order, "must be a permutation of tp, cp, dp, pp joined by '-' (cp may be left out)",
+               "use 'tp-cp-dp-pp' (TP innermost)")
     if p.domino and p.domino_split == "row" and cfg.train.micro_batch_size < 2:
         c.warnings.append(ROW_SPLIT_WARNING)
     if p.sequence_parallel and p.tp == 1:
         c.warnings.append("parallel.sequence_parallel=true has no effect with parallel.tp=1")
     if not ok:
         return None
-    dp = p.dp
+    if p.cp > 1:
+        _check_context_parallel(c, cfg)
+    dp, model = p.dp, p.tp * p.cp * p.pp
     if world_size is not None:
-        if dp is None and world_size % (p.tp * p.pp):
-            c.fail("parallel.dp", None, f"null infers world_size / (tp * pp), but world size {world_size} is not "
-                   f"divisible by tp * pp = {p.tp * p.pp}",
-                   f"launch a multiple of {p.tp * p.pp} processes or change tp/pp")
+        if dp is None and world_size % model:
+            c.fail("parallel.dp", None, f"null infers world_size / (tp * cp * pp), but world size {world_size} is "
+                   f"not divisible by tp * cp * pp = {model}",
+                   f"launch a multiple of {model} processes or change tp/cp/pp")
         elif dp is None:
-            dp = world_size // (p.tp * p.pp)
-        elif p.tp * p.pp * dp != world_size:
-            fix = (f"set parallel.dp={world_size // (p.tp * p.pp)} or null" if world_size % (p.tp * p.pp) == 0
-                   else f"launch {p.tp * p.pp * dp} processes")
-            c.fail("parallel.dp", dp, f"tp * pp * dp = {p.tp * p.pp * dp} must equal the world size {world_size}", fix)
+            dp = world_size // model
+        elif model * dp != world_size:
+            fix = (f"set parallel.dp={world_size // model} or null" if world_size % model == 0
+                   else f"launch {model * dp} processes")
+            c.fail("parallel.dp", dp, f"tp * cp * pp * dp = {model * dp} must equal the world size {world_size}", fix)
     if m.num_layers >= 1:
         _check_layout(c, cfg)
     split_by_tp = (("model.num_attention_heads", m.num_attention_heads),
@@ -235,9 +236,27 @@ def _check_parallel(c: _Checks, cfg: Config, world_size: int | None) -> int | No
             c.divides(key, value, p.tp, "parallel.tp",
                       f"use a parallel.tp that divides {value} (e.g. {', '.join(fits)})")
     if p.sequence_parallel and m.seq_length >= 1:
-        c.divides("model.seq_length", m.seq_length, p.tp, "parallel.tp (sequence parallel shards the sequence)",
-                  "make the sequence length a multiple of tp or turn parallel.sequence_parallel off")
+        c.divides("model.seq_length", m.seq_length, p.tp * p.cp,
+                  "parallel.tp * parallel.cp (sequence parallel shards each rank's part of the sequence over tp)",
+                  "make the sequence length a multiple of tp * cp or turn parallel.sequence_parallel off")
     return dp
+
+
+def _check_context_parallel(c: _Checks, cfg: Config) -> None:
+    """Ring attention's limits: two equal chunks per CP rank, flash-style kernels, no attention dropout."""
+    p, m = cfg.parallel, cfg.model
+    if m.seq_length >= 1:
+        c.divides("model.seq_length", m.seq_length, 2 * p.cp,
+                  f"2 * parallel.cp = {2 * p.cp} (each CP rank holds two equal chunks, for causal load balance)",
+                  f"use a sequence length that is a multiple of {2 * p.cp}, or another parallel.cp")
+    if m.attention_backend not in ("auto", "flash"):
+        c.fail("model.attention_backend", m.attention_backend,
+               "ring attention (parallel.cp > 1) runs the flash-style kernels that return the log-sum-exp",
+               "use model.attention_backend=auto or flash, or parallel.cp=1")
+    if m.attention_dropout > 0:
+        c.fail("model.attention_dropout", m.attention_dropout,
+               "ring attention (parallel.cp > 1) has no attention dropout",
+               "set model.attention_dropout=0 (Llama and most long-context recipes use 0), or parallel.cp=1")
 
 
 def _check_train(c: _Checks, cfg: Config, dp: int | None) -> None:
@@ -388,6 +407,7 @@ def validate_config(cfg: Config, world_size: int | None = None, check_paths: boo
     _check_model(c, cfg)
     dp = _check_parallel(c, cfg, world_size)
     _check_train(c, cfg, dp)
+    check_moe(c, cfg, dp)
     _check_optimizer(c, cfg)
     _check_data(c, cfg, check_paths)
     _check_files(c, cfg, check_paths)

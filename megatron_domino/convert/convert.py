@@ -107,9 +107,7 @@ def hf_to_native(input_dir: str, output: str, *, tp: int = 1, pp: int = 1, model
     """HF directory -> native checkpoint root ``output`` (step 0, weights only) plus ``output/config.yaml``."""
     hf_cfg = read_hf_config(input_dir)
     model_type = detect_model_type(hf_cfg, model)
-    model_cfg = model_config_from_hf(hf_cfg, model_type)
-    if seq_length is not None:
-        model_cfg = replace(model_cfg, seq_length=seq_length)
+    model_cfg = model_config_from_hf(hf_cfg, model_type, seq_length)
     source = open_hf_checkpoint(input_dir, model_type)
     produce = lambda group, meta: hf_group_to_native(source.view(meta), group, model_cfg, model_type)  # noqa: E731
     group_list = groups(model_cfg)

@@ -1,19 +1,24 @@
-"""HF config.json <-> ``ModelConfig`` for GPT-2 and Llama 1/2/3, and the run config a conversion ships with.
+"""HF config.json <-> ``ModelConfig`` for GPT-2, Llama 1/2/3 and Mixtral, and the run config a conversion ships with.
 
 Only settings that change the function a model computes are carried; anything HF can express but
 this transformer cannot (another RoPE type, biases on only some linears, GPT-2's per-layer attention
-scaling) is refused with the key and value named, instead of converting into a silently different model.
+scaling, a sliding window shorter than the sequence) is refused with the key and value named, instead of
+converting into a silently different model. Mixtral's training-only settings: router_aux_loss_coef becomes
+moe_aux_loss_coeff as it is (the same number weighs differently: HF's balance loss is top_k times ours and
+averaged over layers, ours is summed over them); router_jitter_noise is not carried; a native capacity factor is
+not exported (HF's Mixtral is dropless).
 """
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 from ..config import Config, ModelConfig
 from ..config.schema import OptimizerConfig, ParallelConfig, TokenizerConfig, TrainConfig
 
-MODEL_TYPES = ("gpt2", "llama")
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+MODEL_TYPES = ("gpt2", "llama", "mixtral")
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 TORCH_DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -37,7 +42,8 @@ def detect_model_type(hf: dict, requested: str | None = None) -> str:
     found = hf.get("model_type")
     if found not in MODEL_TYPES:
         raise _unsupported("model_type", found, f"is not a supported model type ({', '.join(MODEL_TYPES)})",
-                           "convert a GPT-2 or Llama 1/2/3 checkpoint (LlamaForCausalLM / GPT2LMHeadModel)")
+                           "convert a GPT-2, Llama 1/2/3 or Mixtral checkpoint (GPT2LMHeadModel / LlamaForCausalLM / "
+                           "MixtralForCausalLM)")
     if requested is not None and requested != found:
         raise _unsupported("model_type", found, f"differs from --model {requested}", f"pass --model {found}")
     return found
@@ -110,25 +116,59 @@ def _llama_model(hf: dict) -> ModelConfig:
                        init_std=hf.get("initializer_range", 0.02), make_vocab_size_divisible_by=128, **rope)
 
 
-def model_config_from_hf(hf: dict, model_type: str | None = None) -> ModelConfig:
-    """``ModelConfig`` of a GPT-2 or Llama config.json (either transformers 4.x or 5.x spelling)."""
+def _mixtral_model(hf: dict) -> ModelConfig:
+    """Llama's attention and norms; every MLP is num_local_experts SwiGLU experts under Mixtral's router
+    (softmax over all experts, top-k, renormalised: ``moe_router`` softmax, exactly), dropless."""
+    return replace(_llama_model(hf), num_experts=hf["num_local_experts"], moe_topk=hf["num_experts_per_tok"],
+                   moe_ffn_hidden_size=hf["intermediate_size"], moe_router="softmax",
+                   moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)), moe_z_loss_coeff=0.0,
+                   moe_capacity_factor=None, moe_shared_experts=0, moe_layer_freq=1)
+
+
+_MODELS = {"gpt2": _gpt2_model, "llama": _llama_model, "mixtral": _mixtral_model}
+
+
+def _check_sliding_window(hf: dict, seq_length: int) -> None:
+    """HF attends to the last sliding_window tokens (the query's own included); this model to the whole
+    sequence, so the two agree only when the window holds it."""
+    window = hf.get("sliding_window")
+    if window is not None and window < seq_length:
+        raise _unsupported("sliding_window", window, f"is shorter than the sequence length {seq_length} (this model "
+                           "has no sliding-window attention)", f"convert with --seq-length {window} or less")
+
+
+def model_config_from_hf(hf: dict, model_type: str | None = None, seq_length: int | None = None) -> ModelConfig:
+    """``ModelConfig`` of a GPT-2, Llama or Mixtral config.json (either transformers 4.x or 5.x spelling), at
+    ``seq_length`` when given (else the model's own)."""
     model_type = detect_model_type(hf, model_type)
     try:
-        return _gpt2_model(hf) if model_type == "gpt2" else _llama_model(hf)
+        cfg = _MODELS[model_type](hf)
     except KeyError as missing:
         raise _unsupported(str(missing.args[0]), None, f"is required for a {model_type} model but missing",
                            "use the config.json the weights were saved with") from None
+    cfg = cfg if seq_length is None else replace(cfg, seq_length=seq_length)
+    _check_sliding_window(hf, cfg.seq_length)
+    return cfg
 
 
 def model_type_of(cfg: ModelConfig) -> str:
-    """Which HF architecture a native model is: GPT-2 (learned, layernorm, gelu) or Llama (rope, rmsnorm, swiglu)."""
+    """Which HF architecture a native model is: GPT-2 (learned, layernorm, gelu) or Llama (rope, rmsnorm, swiglu),
+    Mixtral when that Llama has experts."""
     switches = (cfg.position_embedding, cfg.norm, cfg.activation)
     if switches in (("learned", "layernorm", "gelu_tanh"), ("learned", "layernorm", "gelu")):
-        if not cfg.bias or cfg.query_groups != cfg.num_attention_heads or cfg.kv_channels not in (
+        if not cfg.bias or cfg.num_experts or cfg.query_groups != cfg.num_attention_heads or cfg.kv_channels not in (
                 None, cfg.hidden_size // cfg.num_attention_heads):
-            raise ValueError("model: GPT-2 in HF needs bias=true, no grouped-query attention and kv_channels = "
-                             "hidden_size / heads. Fix: export a model with those settings")
+            raise ValueError("model: GPT-2 in HF needs bias=true, no experts, no grouped-query attention and "
+                             "kv_channels = hidden_size / heads. Fix: export a model with those settings")
         return "gpt2"
+    if switches == ("rope", "rmsnorm", "swiglu") and cfg.num_experts:
+        every_layer = all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+        if cfg.bias or cfg.moe_router != "softmax" or cfg.moe_shared_experts or not every_layer:
+            raise ValueError(f"model: Mixtral in HF needs bias=false, moe_router=softmax, no shared experts and "
+                             f"experts in every layer; this model has bias={cfg.bias}, moe_router={cfg.moe_router}, "
+                             f"moe_shared_experts={cfg.moe_shared_experts}, moe_layer_freq={cfg.moe_layer_freq}. "
+                             "Fix: export a model with those settings")
+        return "mixtral"
     if switches == ("rope", "rmsnorm", "swiglu"):
         return "llama"
     raise ValueError(f"model.(position_embedding, norm, activation) = {switches}: matches neither GPT-2 "
@@ -137,7 +177,7 @@ def model_type_of(cfg: ModelConfig) -> str:
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype_name: str) -> dict:
-    """config.json for a native model; Llama's RoPE is written in both the 4.x and the 5.x spelling."""
+    """config.json for a native model; Llama's and Mixtral's RoPE is written in both the 4.x and the 5.x spelling."""
     model_type = model_type_of(cfg)
     common = {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "vocab_size": cfg.vocab_size,
               "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
@@ -154,11 +194,15 @@ def hf_config_from_model(cfg: ModelConfig, dtype_name: str) -> dict:
                     high_freq_factor=cfg.rope_high_freq_factor,
                     original_max_position_embeddings=cfg.rope_original_max_position)
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if cfg.rope_scaling_factor else None
-    return {**common, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
-            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": cfg.query_groups, "head_dim": cfg.head_dim, "hidden_act": "silu",
-            "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.norm_eps,
-            "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.attention_dropout,
+    mlp = ({"intermediate_size": cfg.ffn_size, "attention_bias": cfg.bias, "mlp_bias": cfg.bias}
+           if model_type == "llama" else
+           {"intermediate_size": cfg.moe_ffn_size, "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.moe_topk, "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
+            "router_jitter_noise": 0.0, "output_router_logits": False, "sliding_window": None})
+    return {**common, **mlp, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.query_groups,
+            "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_positions,
+            "rms_norm_eps": cfg.norm_eps, "attention_dropout": cfg.attention_dropout,
             "rope_theta": cfg.rope_base, "rope_scaling": scaling, "rope_parameters": rope}
 
 

@@ -1,4 +1,4 @@
-"""Tensor-by-tensor mapping between HF GPT-2 / Llama names and native global names.
+"""Tensor-by-tensor mapping between HF GPT-2 / Llama / Mixtral names and native global names.
 
 Native full-size tensors use the grouped QKV layout (per KV group: its query heads, its key
 head, its value head), so a TP slice is a run of whole groups. Every function here works on
@@ -64,49 +64,93 @@ def native_layer_to_gpt2(native: dict, i: int, cfg) -> dict:
     }
 
 
-def llama_layer_to_native(hf: dict, i: int, cfg) -> dict:
-    p, n = f"model.layers.{i}.", f"layers.{i}."
+def _llama_attention_to_native(hf: dict, p: str, n: str, cfg) -> dict:
+    """The norms and attention of a Llama-style layer (Llama and Mixtral share them)."""
     out = {
         n + "input_norm.weight": hf[p + "input_layernorm.weight"],
         n + "attention.qkv.weight": _grouped_qkv(hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"],
                                                  hf[p + "self_attn.v_proj.weight"], cfg.query_groups),
         n + "attention.proj.weight": hf[p + "self_attn.o_proj.weight"],
         n + "post_attention_norm.weight": hf[p + "post_attention_layernorm.weight"],
-        n + "mlp.fc1.weight": torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]),
-        n + "mlp.fc2.weight": hf[p + "mlp.down_proj.weight"],
     }
-    if cfg.bias:  # attention_bias and mlp_bias: q/k/v/o and gate/up/down biases
+    if cfg.bias:
         out.update({
             n + "attention.qkv.bias": _grouped_qkv(hf[p + "self_attn.q_proj.bias"], hf[p + "self_attn.k_proj.bias"],
                                                    hf[p + "self_attn.v_proj.bias"], cfg.query_groups),
             n + "attention.proj.bias": hf[p + "self_attn.o_proj.bias"],
-            n + "mlp.fc1.bias": torch.cat([hf[p + "mlp.gate_proj.bias"], hf[p + "mlp.up_proj.bias"]]),
-            n + "mlp.fc2.bias": hf[p + "mlp.down_proj.bias"],
         })
     return out
 
 
-def native_layer_to_llama(native: dict, i: int, cfg) -> dict:
-    p, n = f"model.layers.{i}.", f"layers.{i}."
-    q, k, v = _split_grouped_qkv(native[n + "attention.qkv.weight"], cfg.num_attention_heads, cfg.query_groups,
-                                 cfg.head_dim)
-    gate, up = native[n + "mlp.fc1.weight"].chunk(2, dim=0)
+def _native_attention_to_llama(native: dict, p: str, n: str, cfg) -> dict:
+    heads, groups, d = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
+    q, k, v = _split_grouped_qkv(native[n + "attention.qkv.weight"], heads, groups, d)
     out = {
         p + "input_layernorm.weight": native[n + "input_norm.weight"],
         p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
         p + "self_attn.o_proj.weight": native[n + "attention.proj.weight"],
         p + "post_attention_layernorm.weight": native[n + "post_attention_norm.weight"],
-        p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-        p + "mlp.down_proj.weight": native[n + "mlp.fc2.weight"],
     }
     if cfg.bias:
-        qb, kb, vb = _split_grouped_qkv(native[n + "attention.qkv.bias"], cfg.num_attention_heads, cfg.query_groups,
-                                        cfg.head_dim)
-        gate_b, up_b = native[n + "mlp.fc1.bias"].chunk(2, dim=0)
+        qb, kb, vb = _split_grouped_qkv(native[n + "attention.qkv.bias"], heads, groups, d)
         out.update({p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb, p + "self_attn.v_proj.bias": vb,
-                    p + "self_attn.o_proj.bias": native[n + "attention.proj.bias"],
-                    p + "mlp.gate_proj.bias": gate_b, p + "mlp.up_proj.bias": up_b,
-                    p + "mlp.down_proj.bias": native[n + "mlp.fc2.bias"]})
+                    p + "self_attn.o_proj.bias": native[n + "attention.proj.bias"]})
+    return out
+
+
+def _swiglu_to_native(hf: dict, ours: str, gate: str, up: str, down: str, kinds) -> dict:
+    """One SwiGLU MLP: HF's gate, up and down projections -> fc1 (gate rows, then up rows) and fc2."""
+    out = {}
+    for kind in kinds:  # "weight", and "bias" for a model with biases
+        out[f"{ours}fc1.{kind}"] = torch.cat([hf[f"{gate}.{kind}"], hf[f"{up}.{kind}"]])
+        out[f"{ours}fc2.{kind}"] = hf[f"{down}.{kind}"]
+    return out
+
+
+def _swiglu_to_hf(native: dict, ours: str, gate: str, up: str, down: str, kinds) -> dict:
+    out = {}
+    for kind in kinds:
+        gate_rows, up_rows = native[f"{ours}fc1.{kind}"].chunk(2, dim=0)
+        out.update({f"{gate}.{kind}": gate_rows, f"{up}.{kind}": up_rows,
+                    f"{down}.{kind}": native[f"{ours}fc2.{kind}"]})
+    return out
+
+
+def _kinds(cfg) -> tuple:
+    return ("weight", "bias") if cfg.bias else ("weight",)
+
+
+def llama_layer_to_native(hf: dict, i: int, cfg) -> dict:
+    p, n = f"model.layers.{i}.", f"layers.{i}."
+    mlp = _swiglu_to_native(hf, n + "mlp.", p + "mlp.gate_proj", p + "mlp.up_proj", p + "mlp.down_proj", _kinds(cfg))
+    return {**_llama_attention_to_native(hf, p, n, cfg), **mlp}
+
+
+def native_layer_to_llama(native: dict, i: int, cfg) -> dict:
+    p, n = f"model.layers.{i}.", f"layers.{i}."
+    mlp = _swiglu_to_hf(native, n + "mlp.", p + "mlp.gate_proj", p + "mlp.up_proj", p + "mlp.down_proj", _kinds(cfg))
+    return {**_native_attention_to_llama(native, p, n, cfg), **mlp}
+
+
+def mixtral_layer_to_native(hf: dict, i: int, cfg) -> dict:
+    """Llama's attention; the hub layout's router ``gate`` and experts' ``w1`` (gate), ``w3`` (up), ``w2`` (down)
+    -> ``mlp.router`` and ``mlp.experts.E.fc1`` / ``fc2``."""
+    p, n = f"model.layers.{i}.", f"layers.{i}."
+    out = _llama_attention_to_native(hf, p, n, cfg)
+    out[n + "mlp.router.weight"] = hf[p + "block_sparse_moe.gate.weight"]
+    for e in range(cfg.num_experts):
+        x = f"{p}block_sparse_moe.experts.{e}."
+        out.update(_swiglu_to_native(hf, f"{n}mlp.experts.{e}.", x + "w1", x + "w3", x + "w2", ("weight",)))
+    return out
+
+
+def native_layer_to_mixtral(native: dict, i: int, cfg) -> dict:
+    p, n = f"model.layers.{i}.", f"layers.{i}."
+    out = _native_attention_to_llama(native, p, n, cfg)
+    out[p + "block_sparse_moe.gate.weight"] = native[n + "mlp.router.weight"]
+    for e in range(cfg.num_experts):
+        x = f"{p}block_sparse_moe.experts.{e}."
+        out.update(_swiglu_to_hf(native, f"{n}mlp.experts.{e}.", x + "w1", x + "w3", x + "w2", ("weight",)))
     return out
 
 
@@ -123,9 +167,10 @@ LLAMA_GLOBALS = {
     "final_norm.weight": "model.norm.weight",
     "output_layer.weight": "lm_head.weight",
 }
-LAYER_TO_NATIVE = {"gpt2": gpt2_layer_to_native, "llama": llama_layer_to_native}
-LAYER_TO_HF = {"gpt2": native_layer_to_gpt2, "llama": native_layer_to_llama}
-GLOBALS = {"gpt2": GPT2_GLOBALS, "llama": LLAMA_GLOBALS}
+LAYER_TO_NATIVE = {"gpt2": gpt2_layer_to_native, "llama": llama_layer_to_native,
+                   "mixtral": mixtral_layer_to_native}
+LAYER_TO_HF = {"gpt2": native_layer_to_gpt2, "llama": native_layer_to_llama, "mixtral": native_layer_to_mixtral}
+GLOBALS = {"gpt2": GPT2_GLOBALS, "llama": LLAMA_GLOBALS, "mixtral": LLAMA_GLOBALS}
 # Conversion groups, in model order: the embedding ("pre"), each layer index, then norm and head ("post").
 PRE, POST = "pre", "post"
 

@@ -73,5 +73,13 @@ class MicroBatchLoader:
 
 
 def collate(samples: list[dict]) -> dict:
-    """Stack same-keyed sample tensors along a new batch dimension."""
-    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+    """Stack same-keyed sample tensors along a new batch dimension (``doc_offsets`` padded, see below)."""
+    return {key: (pad_offsets if key == "doc_offsets" else torch.stack)([s[key] for s in samples])
+            for key in samples[0]}
+
+
+def pad_offsets(rows: list[torch.Tensor]) -> torch.Tensor:
+    """[b, n_max + 1] from per-sample document offsets of different lengths: each row is padded by repeating
+    its last offset (L), i.e. with empty documents, which attention skips."""
+    width = max(row.numel() for row in rows)
+    return torch.stack([torch.cat([row, row[-1:].expand(width - row.numel())]) for row in rows])

@@ -1,4 +1,4 @@
-"""Turn L + 1 packed tokens into one training sample: inputs, labels, loss mask, positions, attention mask.
+"""Turn L + 1 packed tokens into one training sample: inputs, labels, loss mask, positions, document offsets.
 
 Shared by the real and the synthetic datasets so that the EOD flags behave identically in both. An EOD
 token belongs to the document it ends; the next document starts right after it.
@@ -17,8 +17,9 @@ def make_sample(tokens: np.ndarray, eod: int, reset_position_ids: bool = False, 
     * ``loss_mask``: float32 [L]; with ``eod_mask_loss`` the prediction made *from* an EOD input (the first
       token of the next, unrelated document) is masked, as in Megatron. Packed samples are never padded;
     * ``position_ids``: int64 [L], restarting at 0 after each EOD when ``reset_position_ids``;
-    * ``attention_mask``: bool [1, L, L], only with ``reset_attention_mask``; True where attention is allowed
-      (causal and within one document), the ``scaled_dot_product_attention`` convention.
+    * ``doc_offsets``: int32 [n_docs + 1], only with ``reset_attention_mask``: 0, each later document's start,
+      L (cu_seqlens-style). Attention stays causal within each document; offsets instead of an [L, L] mask keep
+      the memory O(L) and the flash kernel usable (``models.document_attention``).
     """
     full = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
     inputs, labels = full[:-1].clone(), full[1:].clone()
@@ -30,15 +31,14 @@ def make_sample(tokens: np.ndarray, eod: int, reset_position_ids: bool = False, 
     positions = torch.arange(length, dtype=torch.int64)
     sample = {"tokens": inputs, "labels": labels, "loss_mask": loss_mask}
     if reset_position_ids or reset_attention_mask:
-        document = torch.cumsum(is_eod.long(), 0) - is_eod.long()  # EODs strictly before each position
+        starts_here = torch.zeros(length, dtype=torch.bool)
+        starts_here[0] = True
+        starts_here[1:] = is_eod[:-1]  # an EOD in the last position starts no document
         if reset_position_ids:
-            starts_here = torch.zeros(length, dtype=torch.bool)
-            starts_here[0] = True
-            starts_here[1:] = is_eod[:-1]
             document_start = torch.cummax(torch.where(starts_here, positions, 0), 0).values
             positions = positions - document_start
         if reset_attention_mask:
-            causal = torch.ones(length, length, dtype=torch.bool).tril()
-            sample["attention_mask"] = (causal & (document[:, None] == document[None, :])).unsqueeze(0)
+            starts = torch.nonzero(starts_here).flatten()
+            sample["doc_offsets"] = torch.cat([starts, torch.tensor([length])]).to(torch.int32)
     sample["position_ids"] = positions
     return sample

@@ -56,9 +56,9 @@ def defer_waits(wait_nodes: list, sequence_nr: int | None) -> None:
             node._set_sequence_nr(sequence_nr)
 
 
-def launch_phase(block, phase: str, x: torch.Tensor, rotary, mask, column_pieces: int) -> InFlight:
+def launch_phase(block, phase: str, x: torch.Tensor, rotary, doc_offsets, column_pieces: int) -> InFlight:
     """Compute ``phase`` of ``block`` up to its row-parallel projection and start the projection's all-reduce."""
-    pending, bias = block.projection(phase).launch(block.phase_hidden(phase, x, rotary, mask), column_pieces)
+    pending, bias = block.projection(phase).launch(block.phase_hidden(phase, x, rotary, doc_offsets), column_pieces)
     return InFlight(block, pending, bias, x)
 
 
@@ -92,7 +92,7 @@ def run_order(order: list[Step], blocks, inputs: list, contexts: list[tuple], *,
     """Execute ``order``; returns each chunk's final state.
 
     ``inputs[c]``: chunk c's hidden state (unused where the order launches the embedding); ``contexts[c]`` =
-    (rotary, attention_mask); ``embed(c)`` launches chunk c's embedding (something with ``finish()``);
+    (rotary, doc_offsets); ``embed(c)`` launches chunk c's embedding (something with ``finish()``);
     ``head(x, c)`` is the output head; ``on_step`` hears each step as it starts (traces), then None.
     """
     chunks = len(contexts)

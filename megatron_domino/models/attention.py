@@ -6,7 +6,8 @@ so GQA, MQA (one group: tp must be 1) and MHA (groups = heads) all shard the sam
 
 ``model.attention_backend`` pins SDPA to one kernel (flash, efficient, math). Unpinned, SDPA picks one per
 call and silently falls back to a slower kernel when the fast one cannot take the inputs; pinned, such a
-call raises, so a run that trains with ``flash`` has used flash attention throughout.
+call raises, so a run that trains with ``flash`` has used flash attention throughout. Packed documents
+(``doc_offsets``) take the same kernels: one causal call per document (``document_attention``), no mask.
 
 Grouped-query heads reach SDPA as they are (``enable_gqa``): each query head reads its group's key and
 value head in place, instead of a copy of K and V per query head. Only the ``efficient`` kernel takes no
@@ -24,6 +25,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..parallel.random import get_tracker
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext
+from .document_attention import document_attention
+from .ring_attention import Ring, ring_attention
 from .recompute import recompute
 from .rope import apply_rotary
 
@@ -43,12 +46,13 @@ class Attention(nn.Module):
         self.queries_per_group, self.local_groups, self.head_dim = heads // groups, groups // ctx.size, head_dim
         self.dropout_p, self.selective = cfg.attention_dropout, cfg.recompute == "selective"
         self.backend = cfg.attention_backend
+        self.ring = Ring(ctx.cp_group, ctx.cp_rank, ctx.cp_size) if ctx.cp_size > 1 else None
         output_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(cfg.hidden_size, (heads + 2 * groups) * head_dim, ctx, bias=cfg.bias,
                                         init_std=cfg.init_std)
         self.proj = RowParallelLinear(heads * head_dim, cfg.hidden_size, ctx, bias=cfg.bias, init_std=output_std)
 
-    def context(self, x: torch.Tensor, rotary, attention_mask) -> torch.Tensor:
+    def context(self, x: torch.Tensor, rotary, doc_offsets) -> torch.Tensor:
         """Everything up to the output projection: [b, s, h] -> this rank's heads [b, s, local heads * d]."""
         qkv = self.qkv(x)
         b, s = qkv.shape[:2]
@@ -62,17 +66,19 @@ class Attention(nn.Module):
             k = k.repeat_interleave(self.queries_per_group, dim=1)
             v = v.repeat_interleave(self.queries_per_group, dim=1)
         if self.selective:
-            out = recompute(self._core, q, k, v, attention_mask)
+            out = recompute(self._core, q, k, v, doc_offsets)
         else:
-            out = self._core(q, k, v, attention_mask)
+            out = self._core(q, k, v, doc_offsets)
         return out.transpose(1, 2).reshape(b, s, -1)
 
-    def _core(self, q, k, v, attention_mask):
-        """Softmax(QK^T/sqrt(d)) V; dropout on probabilities uses the TP stream (heads differ per rank)."""
+    def _core(self, q, k, v, doc_offsets):
+        """Causal softmax(QK^T/sqrt(d)) V, within each document where ``doc_offsets`` (host memory) are given;
+        dropout on probabilities uses the TP stream (heads differ per rank)."""
+        if self.ring is not None:  # context parallel: the sequence is spread over the ring
+            return ring_attention(q, k, v, self.ring, doc_offsets)
         dropout = self.dropout_p if self.training else 0.0
         grouped = q.shape[1] != k.shape[1]
         with get_tracker().fork() if dropout > 0 else contextlib.nullcontext(), sdpa_backend(self.backend):
-            if attention_mask is None:
+            if doc_offsets is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=grouped)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout,
-                                                  enable_gqa=grouped)
+            return document_attention(q, k, v, doc_offsets, dropout_p=dropout, enable_gqa=grouped)

@@ -20,6 +20,11 @@ Training FLOPs per token (forward + backward, no recompute):
 - backward costs twice the forward (gradients for inputs and for weights), so training = 3 x forward:
       flops_per_token = 6*N_mm + 12*L*s*a*d.
 For GPT (f = 4h, g = a, a*d = h) this equals Megatron's 72*L*h^2 + 12*L*s*h + 6*V*h.
+
+Mixture of experts (``model.num_experts``): an MoE layer's MLP is replaced by a router E*h (no bias), E
+experts and the shared experts, each an MLP of its width. *Total* parameters count every expert; *active*
+ones (``active=True``) only the top-k experts a token runs through (router and shared experts included).
+FLOPs per token, and so MFU, count the active matmul weights only.
 """
 from __future__ import annotations
 
@@ -30,13 +35,27 @@ def _vocab(model: ModelConfig, tp: int, padded: bool) -> int:
     return model.padded_vocab_size(tp) if padded else model.vocab_size
 
 
-def _layer_matmul_parameters(model: ModelConfig) -> int:
-    """Weights of one block's projections (no biases, no norms)."""
-    h, f, d = model.hidden_size, model.ffn_size, model.head_dim
-    q_width, kv_width = model.num_attention_heads * d, model.query_groups * d
-    attention = h * q_width + 2 * h * kv_width + q_width * h
-    mlp = (3 if model.activation == "swiglu" else 2) * h * f
-    return attention + mlp
+def _attention_weights(model: ModelConfig) -> int:
+    """Weights of one block's attention projections (no biases)."""
+    q_width, kv_width = model.num_attention_heads * model.head_dim, model.query_groups * model.head_dim
+    return model.hidden_size * q_width + 2 * model.hidden_size * kv_width + q_width * model.hidden_size
+
+
+def _mlp(model: ModelConfig, ffn: int, biases: bool) -> int:
+    """One MLP of width ``ffn``: 2*h*f (gelu) or 3*h*f (swiglu) weights, and biases when the model has them."""
+    weights = (3 if model.activation == "swiglu" else 2) * model.hidden_size * ffn
+    if not (biases and model.bias):
+        return weights
+    return weights + (2 * ffn if model.activation == "swiglu" else ffn) + model.hidden_size
+
+
+def _feed_forward(model: ModelConfig, layer: int, active: bool, biases: bool) -> int:
+    """Layer ``layer``'s feed-forward parameters: the MLP, or router, experts (top-k if ``active``) and shared ones."""
+    if not model.is_moe_layer(layer):
+        return _mlp(model, model.ffn_size, biases)
+    experts = model.moe_topk if active else model.num_experts
+    shared = _mlp(model, model.moe_shared_experts * model.moe_ffn_size, biases) if model.moe_shared_experts else 0
+    return model.num_experts * model.hidden_size + experts * _mlp(model, model.moe_ffn_size, biases) + shared
 
 
 def norm_parameters(model: ModelConfig) -> int:
@@ -44,16 +63,16 @@ def norm_parameters(model: ModelConfig) -> int:
     return (1 if model.norm == "rmsnorm" else 2) * model.hidden_size
 
 
-def count_parameters(model: ModelConfig, tp: int = 1, padded_vocab: bool = False) -> int:
-    """Total parameters of the model. ``padded_vocab`` counts the TP-padded vocabulary (``tp`` sets the padding)."""
-    h, f, d = model.hidden_size, model.ffn_size, model.head_dim
+def count_parameters(model: ModelConfig, tp: int = 1, padded_vocab: bool = False, active: bool = False) -> int:
+    """Total parameters of the model (``active``: those one token runs through, for MoE). ``padded_vocab`` counts
+    the TP-padded vocabulary (``tp`` sets the padding)."""
+    h, d = model.hidden_size, model.head_dim
     vocab = _vocab(model, tp, padded_vocab)
-    per_layer = _layer_matmul_parameters(model) + 2 * norm_parameters(model)
+    per_layer = _attention_weights(model) + 2 * norm_parameters(model)
     if model.bias:
-        q_width, kv_width = model.num_attention_heads * d, model.query_groups * d
-        per_layer += q_width + 2 * kv_width + h
-        per_layer += (2 * f if model.activation == "swiglu" else f) + h
-    total = vocab * h + model.num_layers * per_layer + norm_parameters(model)
+        per_layer += (model.num_attention_heads + 2 * model.query_groups) * d + h
+    total = vocab * h + norm_parameters(model)
+    total += sum(per_layer + _feed_forward(model, i, active, biases=True) for i in range(model.num_layers))
     if model.position_embedding == "learned":
         total += model.max_positions * h
     if not model.tie_embeddings:
@@ -62,8 +81,10 @@ def count_parameters(model: ModelConfig, tp: int = 1, padded_vocab: bool = False
 
 
 def flops_per_token(model: ModelConfig, seq_length: int | None = None) -> float:
-    """Training FLOPs (forward + backward) per token at ``seq_length`` (default: the model's), unpadded vocab."""
+    """Training FLOPs (forward + backward) per token at ``seq_length`` (default: the model's), unpadded vocab;
+    active weights only (MoE)."""
     s = model.seq_length if seq_length is None else seq_length
-    matmul_weights = model.num_layers * _layer_matmul_parameters(model) + model.vocab_size * model.hidden_size
+    matmul_weights = model.vocab_size * model.hidden_size + sum(
+        _attention_weights(model) + _feed_forward(model, i, active=True, biases=False) for i in range(model.num_layers))
     attention = 12 * model.num_layers * s * model.num_attention_heads * model.head_dim
     return float(6 * matmul_weights + attention)

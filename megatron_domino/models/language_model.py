@@ -23,7 +23,9 @@ from ..parallel.random import get_tracker
 from ..tensor_parallel import (ParamInfo, ShardSpec, TPContext, VocabParallelEmbedding, column_parallel_linear, declare,
                                make_param, sharding_table, vocab_parallel_cross_entropy)
 from .block import TransformerBlock
+from .moe import MoE
 from .norms import Norm
+from .ring_attention import local_positions
 from .rope import inverse_frequencies, rotary_tables
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
@@ -89,6 +91,16 @@ class LanguageModel(nn.Module):
             return self.output_layer.weight
         return self.embedding.word_embeddings.weight
 
+    def moe_layers(self) -> list[tuple[int, MoE]]:
+        """(global layer index, layer) of this chunk's mixture-of-experts layers."""
+        return [(i, block.mlp) for i, block in zip(self.layer_ids, self.layers) if isinstance(block.mlp, MoE)]
+
+    def start_moe_step(self, loss_scale_per_sample: float) -> None:
+        """A training step begins: weigh the auxiliary losses so (see ``models.moe``), reset the routing stats."""
+        for _, layer in self.moe_layers():
+            layer.loss_scale_per_sample = loss_scale_per_sample
+            layer.stats.reset()
+
     # ----- forward ------------------------------------------------------------------------------
     def forward(self, input_tensor: torch.Tensor | None, batch: dict, return_logits: bool = False) -> torch.Tensor:
         """First stage: tokens -> hidden. Middle: hidden -> hidden. Last: -> per-token loss [b, s] (fp32).
@@ -102,7 +114,7 @@ class LanguageModel(nn.Module):
             hidden = self._embedding_tail(self.embedding.word_embeddings(batch["tokens"]), batch, slice(None))
         rotary = self._rotary(batch, hidden.shape[0])
         for block in self.layers:
-            hidden = block(hidden, rotary, batch.get("attention_mask"))
+            hidden = block(hidden, rotary, batch.get("doc_offsets"))
         return self._head(hidden, batch, slice(None), return_logits) if self.post_process else hidden
 
     def _forward_domino(self, input_tensor: torch.Tensor | None, batch: dict, return_logits: bool) -> torch.Tensor:
@@ -113,9 +125,9 @@ class LanguageModel(nn.Module):
         base, extra = divmod(batch_size, rows)  # tensor_split's sizes, computed on the host
         starts = [i * base + min(i, extra) for i in range(rows + 1)]
         slices = [slice(begin, end) for begin, end in zip(starts, starts[1:])]
-        rotary, mask = self._rotary(batch, batch_size), batch.get("attention_mask")
+        rotary, offsets = self._rotary(batch, batch_size), batch.get("doc_offsets")
         contexts = [(None if rotary is None else tuple(t[rows_] for t in rotary),
-                     None if mask is None else mask[rows_]) for rows_ in slices]
+                     None if offsets is None else offsets[rows_]) for rows_ in slices]
         order = forward_order(len(self.layers), rows, self.plan.overlap, self.pre_process, self.post_process)
         outputs = run_order(order, self.layers, [] if self.pre_process else [input_tensor[r] for r in slices],
                             contexts, column_pieces=columns,
@@ -165,6 +177,9 @@ class LanguageModel(nn.Module):
         if batch.get("position_ids") is not None:
             return batch["position_ids"]
         device = next(self.parameters()).device
+        if self.ctx.cp_size > 1:  # this rank's two chunks of the sequence
+            return local_positions(self.cfg.seq_length, self.ctx.cp_size, self.ctx.cp_rank).to(device).expand(
+                batch_size, -1)
         return torch.arange(self.cfg.seq_length, device=device).expand(batch_size, -1)
 
 

@@ -43,9 +43,17 @@ class ParallelState:
         self.dp_group, self.dp_ranks = self._make(topology.dp_groups(), timeout)
         self.mp_group, self.mp_ranks = self._make(topology.model_parallel_groups(), timeout)
         self.embedding_group, self.embedding_ranks = self._make(topology.embedding_groups(), timeout)
+        # Without CP, the ring and the gradient group would repeat groups above: no new communicators.
+        if topology.cp > 1:
+            self.cp_group, self.cp_ranks = self._make(topology.cp_groups(), timeout)
+            self.dp_cp_group, self.dp_cp_ranks = self._make(topology.dp_cp_groups(), timeout)
+        else:
+            self.cp_group, self.cp_ranks = None, [self.rank]
+            self.dp_cp_group, self.dp_cp_ranks = self.dp_group, self.dp_ranks
         coordinate = topology.coordinate(self.rank)
-        self.tp_rank, self.pp_rank, self.dp_rank = coordinate.tp, coordinate.pp, coordinate.dp
-        self.tp_size, self.pp_size, self.dp_size = topology.tp, topology.pp, topology.dp
+        self.tp_rank, self.pp_rank, self.dp_rank, self.cp_rank = coordinate.tp, coordinate.pp, coordinate.dp, coordinate.cp
+        self.tp_size, self.pp_size, self.dp_size, self.cp_size = topology.tp, topology.pp, topology.dp, topology.cp
+        self.dp_cp_size = self.dp_size * self.cp_size
         self.virtual_pp = topology.virtual_pp
 
     def _make(self, groups: list[list[int]], timeout):
@@ -75,8 +83,9 @@ class ParallelState:
         return self.topology.prev_pp_rank(self.rank)
 
     def coordinates(self) -> str:
-        """'rank 5 (tp 1, pp 1, dp 0)': the prefix used in logs and error reports."""
-        return f"rank {self.rank} (tp {self.tp_rank}, pp {self.pp_rank}, dp {self.dp_rank})"
+        """'rank 5 (tp 1, pp 1, dp 0)': the prefix used in logs and error reports (cp named when it is used)."""
+        cp = f", cp {self.cp_rank}" if self.cp_size > 1 else ""
+        return f"rank {self.rank} (tp {self.tp_rank}{cp}, pp {self.pp_rank}, dp {self.dp_rank})"
 
     def rank_map(self) -> str:
         """Gather host names and render the topology's table (collective: call on every rank)."""

@@ -1,15 +1,21 @@
-"""The rank grid: which global rank sits at which (tp, pp, dp) coordinate, and the groups that follow.
+"""The rank grid: which global rank sits at which (tp, cp, pp, dp) coordinate, and the groups that follow.
 
 A ``Topology`` is plain arithmetic (no processes), so layouts can be checked and printed
-on one CPU process for a 1024-GPU job. ``ProcessGroups`` turns it into torch.distributed
+on one CPU process for a 1024-GPU job. ``ParallelState`` turns it into torch.distributed
 groups once a process group exists.
+
+Rank order: ``parallel.order`` names the axes innermost first; the default ``tp-cp-dp-pp`` (Megatron's)
+puts a TP group on neighbouring ranks (one node), then the context-parallel ring, then data parallelism,
+with pipeline stages outermost. An order written without ``cp`` (``tp-dp-pp``) gets cp right after tp.
+Context-parallel ranks hold different parts of the same sequences: they read the same samples (one
+data-parallel rank), and their gradients are reduced together with the data-parallel ones (``dp_cp``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import product
 
-from ..config.schema import AXES
+from ..config.schema import AXES, full_order
 
 
 @dataclass(frozen=True)
@@ -17,44 +23,51 @@ class Coordinate:
     tp: int
     pp: int
     dp: int
+    cp: int = 0
 
 
 class Topology:
-    """World size cut into tp x pp x dp; ``order`` names the axes innermost first ("tp-dp-pp")."""
+    """World size cut into tp x cp x pp x dp; ``order`` names the axes innermost first ("tp-cp-dp-pp")."""
 
     def __init__(self, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
-                 virtual_pp: int = 1, order: str = "tp-dp-pp"):
+                 virtual_pp: int = 1, order: str = "tp-cp-dp-pp", cp: int = 1):
         for name, value in (("world_size", world_size), ("parallel.tp", tp), ("parallel.pp", pp),
-                            ("parallel.virtual_pp", virtual_pp)):
+                            ("parallel.virtual_pp", virtual_pp), ("parallel.cp", cp)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} = {value!r}: must be a positive integer. Fix: set it to 1 or more.")
+        model = tp * cp * pp
         if dp is None:
-            if world_size % (tp * pp):
+            if world_size % model:
                 raise ValueError(
-                    f"parallel.tp * parallel.pp = {tp * pp}: must divide the world size {world_size} to infer "
-                    f"parallel.dp. Fix: launch a multiple of {tp * pp} ranks or change tp/pp.")
-            dp = world_size // (tp * pp)
-        if tp * pp * dp != world_size:
+                    f"parallel.tp * parallel.cp * parallel.pp = {model}: must divide the world size {world_size} to "
+                    f"infer parallel.dp. Fix: launch a multiple of {model} ranks or change tp/cp/pp.")
+            dp = world_size // model
+        if model * dp != world_size:
             raise ValueError(
-                f"parallel.dp = {dp}: tp * pp * dp = {tp}*{pp}*{dp} = {tp * pp * dp} must equal the world size "
-                f"{world_size}. Fix: set parallel.dp={world_size // (tp * pp) if world_size % (tp * pp) == 0 else '?'} "
-                f"or launch {tp * pp * dp} ranks.")
-        axes = order.split("-")
+                f"parallel.dp = {dp}: tp * cp * pp * dp = {tp}*{cp}*{pp}*{dp} = {model * dp} must equal the world "
+                f"size {world_size}. Fix: set parallel.dp={world_size // model if world_size % model == 0 else '?'} "
+                f"or launch {model * dp} ranks.")
+        axes = full_order(order).split("-")
         if sorted(axes) != sorted(AXES):
-            raise ValueError(f"parallel.order = {order!r}: must be a permutation of tp, dp, pp joined by '-'. "
-                             f"Fix: use 'tp-dp-pp' (TP innermost, Megatron's default).")
-        self.world_size, self.tp, self.pp, self.dp = world_size, tp, pp, dp
-        self.virtual_pp, self.order = virtual_pp, order
-        self.sizes = {"tp": tp, "pp": pp, "dp": dp}
+            raise ValueError(f"parallel.order = {order!r}: must be a permutation of tp, cp, dp, pp joined by '-' "
+                             f"(cp may be left out). Fix: use 'tp-cp-dp-pp' (TP innermost, Megatron's default).")
+        self.world_size, self.tp, self.cp, self.pp, self.dp = world_size, tp, cp, pp, dp
+        self.virtual_pp, self.order = virtual_pp, "-".join(axes)
+        self.sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
         self._strides = {}
         stride = 1
         for axis in axes:
             self._strides[axis] = stride
             stride *= self.sizes[axis]
 
-    def rank_of(self, tp: int = 0, pp: int = 0, dp: int = 0) -> int:
+    @classmethod
+    def from_config(cls, par, world_size: int) -> "Topology":
+        """The topology a ``ParallelConfig`` asks for on ``world_size`` ranks."""
+        return cls(world_size, par.tp, par.pp, par.dp, par.virtual_pp, par.order, cp=par.cp)
+
+    def rank_of(self, tp: int = 0, pp: int = 0, dp: int = 0, cp: int = 0) -> int:
         """Global rank at a coordinate."""
-        coordinate = {"tp": tp, "pp": pp, "dp": dp}
+        coordinate = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
         for axis, value in coordinate.items():
             if not 0 <= value < self.sizes[axis]:
                 raise ValueError(f"{axis} coordinate {value} outside 0..{self.sizes[axis] - 1}")
@@ -82,12 +95,23 @@ class Topology:
     def pp_groups(self) -> list[list[int]]:
         """Each group lists its ranks in stage order (stage 0 first)."""
         groups = []
-        for tp, dp in product(range(self.tp), range(self.dp)):
-            groups.append([self.rank_of(tp=tp, pp=stage, dp=dp) for stage in range(self.pp)])
+        for tp, cp, dp in product(range(self.tp), range(self.cp), range(self.dp)):
+            groups.append([self.rank_of(tp=tp, pp=stage, dp=dp, cp=cp) for stage in range(self.pp)])
+        return sorted(groups)
+
+    def cp_groups(self) -> list[list[int]]:
+        """The context-parallel rings: members in cp order, which is the ring's order."""
+        groups = []
+        for tp, pp, dp in product(range(self.tp), range(self.pp), range(self.dp)):
+            groups.append([self.rank_of(tp=tp, pp=pp, dp=dp, cp=cp) for cp in range(self.cp)])
         return sorted(groups)
 
     def dp_groups(self) -> list[list[int]]:
         return self._groups_along("dp")
+
+    def dp_cp_groups(self) -> list[list[int]]:
+        """Ranks holding replicas of the same weights: gradients, ZeRO shards and the loss reduce over these."""
+        return self._groups_along("dp", "cp")
 
     def model_parallel_groups(self) -> list[list[int]]:
         return self._groups_along("tp", "pp")
@@ -105,23 +129,23 @@ class Topology:
     def next_pp_rank(self, rank: int) -> int:
         """The rank holding the next stage (wrapping, as interleaved schedules need)."""
         c = self.coordinate(rank)
-        return self.rank_of(tp=c.tp, pp=(c.pp + 1) % self.pp, dp=c.dp)
+        return self.rank_of(tp=c.tp, pp=(c.pp + 1) % self.pp, dp=c.dp, cp=c.cp)
 
     def prev_pp_rank(self, rank: int) -> int:
         c = self.coordinate(rank)
-        return self.rank_of(tp=c.tp, pp=(c.pp - 1) % self.pp, dp=c.dp)
+        return self.rank_of(tp=c.tp, pp=(c.pp - 1) % self.pp, dp=c.dp, cp=c.cp)
 
     def rank_map(self, hosts: list[str] | None = None) -> str:
-        """A compact table: global rank -> host, tp, pp, dp."""
-        lines = [f"topology: world {self.world_size} = tp {self.tp} x pp {self.pp} x dp {self.dp} "
-                 f"(order {self.order}, virtual pp {self.virtual_pp})",
-                 "rank  host              tp  pp  dp"]
+        """A compact table: global rank -> host, tp, cp, pp, dp."""
+        lines = [f"topology: world {self.world_size} = tp {self.tp} x cp {self.cp} x pp {self.pp} x dp {self.dp} "
+                 f"(order {self.order}, innermost first; virtual pp {self.virtual_pp})",
+                 "rank  host              tp  cp  pp  dp"]
         for rank in range(self.world_size):
             c = self.coordinate(rank)
             host = hosts[rank] if hosts else "-"
-            lines.append(f"{rank:>4}  {host:<16}  {c.tp:>2}  {c.pp:>2}  {c.dp:>2}")
+            lines.append(f"{rank:>4}  {host:<16}  {c.tp:>2}  {c.cp:>2}  {c.pp:>2}  {c.dp:>2}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return (f"Topology(world_size={self.world_size}, tp={self.tp}, pp={self.pp}, dp={self.dp}, "
+        return (f"Topology(world_size={self.world_size}, tp={self.tp}, cp={self.cp}, pp={self.pp}, dp={self.dp}, "
                 f"virtual_pp={self.virtual_pp}, order={self.order!r})")

@@ -5,6 +5,10 @@ with long sequences and document masks that is most of a step's input memory for
 i is copied when the schedule first reads it, and i + 1 is copied right after, on a side stream on CUDA,
 so the copy overlaps the compute of i. At most ``keep`` micro-batches stay on the device (an interleaved
 schedule that comes back to an evicted one copies it again). On the CPU the "copy" is the tensor itself.
+
+``doc_offsets`` (``HOST_KEYS``) stay in host memory: document attention reads their values on the host to
+slice each document out of q/k/v, every layer. From a device copy each of those reads would stall the host
+until the device caught up (a sync per layer and micro-batch); they are a few integers per sample anyway.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
+
+HOST_KEYS = frozenset({"doc_offsets"})  # batch entries the host reads: never copied to the device
 
 
 class DeviceBatches(Sequence):
@@ -31,8 +37,9 @@ class DeviceBatches(Sequence):
         if self._stream is not None:  # the copy was issued on the side stream: order the compute after it
             current = torch.cuda.current_stream(self.device)
             current.wait_stream(self._stream)
-            for tensor in batch.values():
-                tensor.record_stream(current)
+            for key, tensor in batch.items():
+                if key not in HOST_KEYS:
+                    tensor.record_stream(current)
         return batch
 
     def _fetch(self, index: int) -> dict:
@@ -40,7 +47,7 @@ class DeviceBatches(Sequence):
             self._on_device.move_to_end(index)
             return self._on_device[index]
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-            batch = {k: to_device(v, self.device) for k, v in self.host[index].items()}
+            batch = {k: v if k in HOST_KEYS else to_device(v, self.device) for k, v in self.host[index].items()}
         self._on_device[index] = batch
         while len(self._on_device) > self.keep:
             self._on_device.popitem(last=False)

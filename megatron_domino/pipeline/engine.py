@@ -28,7 +28,11 @@ class PipelineEngine:
                  on_backward=None):
         par, model = cfg.parallel, cfg.model
         self.chunks, self.state, self.num_microbatches = chunks, state, num_microbatches
-        sequence = model.seq_length // state.tp_size if par.sequence_parallel and state.tp_size > 1 else model.seq_length
+        # each micro-batch sample's weight of the MoE auxiliary losses: their mean over micro-batches and DP x CP
+        self.moe_sample_weight = (1.0 / (num_microbatches * state.dp_cp_size * cfg.train.micro_batch_size)
+                                  if model.num_experts else None)
+        sequence = model.seq_length // state.cp_size  # context parallelism: each rank holds two of 2·cp chunks
+        sequence = sequence // state.tp_size if par.sequence_parallel and state.tp_size > 1 else sequence
         self.stage = StageContext(state.pp_rank, state.pp_size, par.virtual_pp, state.next_pp_rank, state.prev_pp_rank,
                                   (cfg.train.micro_batch_size, sequence, model.hidden_size), dtype)
         kind = schedule_kind(state.pp_size, par.virtual_pp, par.pipeline_schedule)
@@ -56,8 +60,8 @@ class PipelineEngine:
                   else torch.tensor(float(batch["labels"].numel()), dtype=torch.float64, device=batch["labels"].device)
                   for batch in microbatches]
         count = to_device(torch.stack(counts).sum(), self.device)  # one copy, not one per micro-batch
-        if self.state.dp_size > 1:
-            dist.all_reduce(count, group=self.state.dp_group)
+        if self.state.dp_cp_size > 1:  # CP ranks hold different tokens of the same samples
+            dist.all_reduce(count, group=self.state.dp_cp_group)
         return count
 
     def _run(self, schedule: list, microbatches: list[dict], loss_scale: float) -> torch.Tensor:
@@ -73,6 +77,8 @@ class PipelineEngine:
         """Run the schedule over this rank's micro-batches (in host memory, or already on the device); returns the global-batch mean loss on every rank (a 0-dim device tensor)."""
         for chunk in self.chunks:
             chunk.train()
+            if self.moe_sample_weight is not None:
+                chunk.start_moe_step(loss_scale * self.moe_sample_weight)
         return self._run(self.schedule, microbatches, loss_scale)
 
     @torch.no_grad()
@@ -83,8 +89,8 @@ class PipelineEngine:
         return self._run(self.eval_schedule, microbatches, 1.0)
 
     def _share_loss(self, loss_sum: torch.Tensor, total_tokens: torch.Tensor | None) -> torch.Tensor:
-        if self.state.dp_size > 1:
-            dist.all_reduce(loss_sum, group=self.state.dp_group)
+        if self.state.dp_cp_size > 1:
+            dist.all_reduce(loss_sum, group=self.state.dp_cp_group)
         value = loss_sum / total_tokens if total_tokens is not None else loss_sum * 0
         if self.state.pp_size > 1:
             dist.all_reduce(value, group=self.state.pp_group)

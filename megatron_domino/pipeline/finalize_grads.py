@@ -27,8 +27,8 @@ def finalize_grads(chunks, state, optimizer=None) -> None:
         grad_of = optimizer.reduced_grad
     else:
         grad_of = lambda param: param.grad  # noqa: E731
-        if comm.group_size(state.dp_group) > 1:
+        if comm.group_size(state.dp_cp_group) > 1:
             for param in params:
-                dist.all_reduce(param.grad, group=state.dp_group)
+                dist.all_reduce(param.grad, group=state.dp_cp_group)
     allreduce_tied_embedding_grads(chunks, state, grad_of)
     allreduce_sequence_parallel_grads(chunks, state.tp_group, grad_of)

@@ -4,21 +4,22 @@ Static state, per parameter held by the rank (its TP shard of its pipeline chunk
 ``optim.distributed_optimizer``:
 - weights: 2 B (bf16/fp16) or 4 B (fp32);
 - gradients: a 4 B fp32 buffer (``accumulate_grads_in_fp32``, else the weight dtype). ZeRO-1/2 add the
-  reduced 1/dp shard beside it. ZeRO-2 frees a bucket's full gradient once it is reduced, but it lives
-  from the step's first backward to its last, so with more than one micro-batch it is all there at
-  the peak; with one micro-batch only about one bucket is;
+  reduced shard beside it: 1/(dp*cp), since context-parallel ranks hold the same weights and their
+  gradients reduce with the data-parallel ones. ZeRO-2 frees a bucket's full gradient once it is
+  reduced, but it lives from the step's first backward to its last, so with more than one micro-batch
+  it is all there at the peak; with one micro-batch only about one bucket is;
 - optimizer: fp32 master (4 B, only for 16-bit weights) + Adam's two moments (8 B; SGD momentum 4 B),
-  divided by dp under ZeRO >= 1.
+  divided by dp*cp under ZeRO >= 1.
 
 Activations: the bytes autograd saves for backward, per micro-batch, counted tensor by tensor for
 OUR block rather than with Korthikanti et al.'s formula (34*s*b*h + 5*a*s^2*b bytes per layer for
 Megatron's fused fp16 kernels), which does not describe this code: norms here compute in fp32 (their
 saved input is a 4-byte copy, and CPU builds of torch decompose RMSNorm and save its normalised output
 too; CUDA builds run the fused ``_fused_rms_norm``, which saves input and rstd only), SDPA is a flash
-kernel on CUDA and on CPU so the a*s^2 score matrix is never stored (only a fp32 logsumexp), GQA's
-K/V reach SDPA unexpanded (except under the ``efficient`` kernel, which copies them per query head),
-RoPE's rotated Q/K are new tensors, and the sequence-parallel all-gather's output
-(the full sequence) is what the following linear saves. Per token and TP rank (e = 2 or 4 bytes,
+kernel on CUDA and on CPU so the a*s^2 score matrix is never stored (only a fp32 logsumexp; the ``math``
+backend would store it: not modelled), GQA's K/V reach SDPA unexpanded (except under the ``efficient``
+kernel, which copies them per query head), RoPE's rotated Q/K are new tensors, and the sequence-parallel
+all-gather's output (the full sequence) is what the following linear saves. Per token and TP rank (e = 2 or 4 bytes,
 t = tp, r = t under sequence parallelism else 1, a*d = query width, g*d = KV width, f = FFN):
 
     each norm       LayerNorm 4h/r + 8/r (fp32 input, mean, rstd); RMSNorm 4h/r + 4/r on CUDA (fp32
@@ -40,6 +41,15 @@ stage adds token ids (8 B/token) and an embedding dropout mask; RoPE adds fp32 c
 the last stage adds a norm, the head input (e*h) and the loss's fp32 softmax (4V/t) with int64
 targets; other stages keep the received input (e*h/r) when it is not the first norm's own saved input.
 
+Context parallelism (cp > 1) and documents. A rank holds s/cp tokens of each sequence, so every
+per-token term above counts s/cp tokens. Ring attention (``models/ring_attention.py``) runs the same
+flash-style kernels block by block and saves what they save for the local tokens (the K/V blocks received
+from other ranks are sent on, not kept). Its backward peak is transient, beside full recompute's rebuilt
+phase: the fp32 dQ accumulator (4a*d/t), the K/V block in use and the next one (4e*g*d/t), their fp32
+dK/dV, in use and received (16g*d/t), and under GQA the K/V repeated per query head (2e*a*d/t).
+Document masking (``data.reset_attention_mask``) runs one causal kernel call per document on slices of
+the same Q, K and V: its cost is the O(L) offsets, so there is no L^2 term with or without CP.
+
 In flight: a rank holds the activations of every micro-batch whose forward has run and backward has
 not. 1F1B: min(pp - rank, m) on rank ``rank``; interleaved: Megatron's warm-up count + 1 chunk-micro-
 batches (``pipeline.schedules.interleaved_warmup``), each sized by the rank's largest chunk.
@@ -52,6 +62,7 @@ CUDA context, NCCL buffers and fragmentation.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cache, wraps
 
 from ..config.schema import Config, ModelConfig
 from ..models.counters import count_parameters, norm_parameters
@@ -92,6 +103,29 @@ def weight_bytes(cfg: Config) -> int:
     return 2 if (cfg.train.bf16 or cfg.train.fp16) else 4
 
 
+def per_model_layout(fn):
+    """Memoise ``fn(cfg)``, a function of the model and its pipeline split only: a search asks for the same few
+    values thousands of times. Results are shared, so they are tuples."""
+    results: dict = {}
+
+    @wraps(fn)
+    def memoised(cfg: Config):
+        par = cfg.parallel
+        key = (tuple(vars(cfg.model).values()), par.tp, par.pp, par.virtual_pp, par.pipeline_partition,
+               tuple(par.pipeline_layout or ()))
+        if key not in results:
+            results[key] = fn(cfg)
+        return results[key]
+
+    return memoised
+
+
+@per_model_layout
+def stage_layers(cfg: Config) -> tuple:
+    """``layer_partition``, memoised."""
+    return tuple(tuple(layers) for layers in layer_partition(cfg))
+
+
 # ----- parameters --------------------------------------------------------------------------------
 def layer_parameters(model: ModelConfig, tp: int) -> float:
     """One block's parameters on one TP rank: projections split by tp, norms and row-parallel biases replicated."""
@@ -100,10 +134,11 @@ def layer_parameters(model: ModelConfig, tp: int) -> float:
     return (full - replicated) / tp + replicated
 
 
-def rank_parameters(cfg: Config) -> list[float]:
+@per_model_layout
+def rank_parameters(cfg: Config) -> tuple[float, ...]:
     """Parameters held by one TP rank of each pipeline rank (embedding on the first, head on the last)."""
     model, par = cfg.model, cfg.parallel
-    partition = layer_partition(cfg)
+    partition = stage_layers(cfg)
     stages = par.pp * par.virtual_pp
     embedding = model.padded_vocab_size(par.tp) // par.tp * model.hidden_size
     per_layer = layer_parameters(model, par.tp)
@@ -121,24 +156,25 @@ def rank_parameters(cfg: Config) -> list[float]:
                 if not (model.tie_embeddings and stages == 1):
                     total += embedding
         totals.append(total)
-    return totals
+    return tuple(totals)
 
 
 def static_bytes(cfg: Config, params: float, dp: int) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes for ``params`` parameters on one GPU."""
+    """(weights, gradients, optimizer state) bytes for ``params`` parameters on one GPU; ZeRO shards over dp*cp."""
     opt, e = cfg.optimizer, weight_bytes(cfg)
-    zero = opt.zero_stage if dp > 1 else 0  # one DP rank: the shard is the whole (as the optimizer does)
+    shards = dp * cfg.parallel.cp
+    zero = opt.zero_stage if shards > 1 else 0  # one replica: the shard is the whole (as the optimizer does)
     grad_e = 4 if opt.accumulate_grads_in_fp32 else e
     full_grads = params * grad_e
     if zero == 0:
         grads = full_grads
     elif zero == 1 or cfg.train.num_microbatches(dp) > 1:
-        grads = full_grads + full_grads / dp
+        grads = full_grads + full_grads / shards
     else:
-        grads = min(full_grads, opt.bucket_size_mb * 2**20) + full_grads / dp
+        grads = min(full_grads, opt.bucket_size_mb * 2**20) + full_grads / shards
     moments = 8 if opt.name == "adamw" else (4 if opt.momentum > 0 else 0)
     state = params * ((4 if e != 4 else 0) + moments)
-    return params * e, grads, state / dp if zero >= 1 else state
+    return params * e, grads, state / shards if zero >= 1 else state
 
 
 # ----- activations -------------------------------------------------------------------------------
@@ -203,6 +239,16 @@ def chunk_activation_bytes(cfg: Config, gpu: GPU, layers: int, first: bool, last
     return total
 
 
+def ring_transient_bytes(cfg: Config) -> float:
+    """Bytes per local token that ring attention's backward holds beyond the saved tensors; 0 at cp 1."""
+    if cfg.parallel.cp == 1:
+        return 0.0
+    model, e = cfg.model, weight_bytes(cfg)
+    heads, groups = model.num_attention_heads, model.query_groups
+    repeated = 2 * e * heads if groups < heads else 0
+    return (4 * heads + 4 * e * groups + 16 * groups + repeated) * model.head_dim / cfg.parallel.tp
+
+
 def loss_transient_bytes(cfg: Config) -> float:
     """Extra bytes per token while the loss's forward runs, beyond the softmax it keeps."""
     e, t = weight_bytes(cfg), cfg.parallel.tp
@@ -230,20 +276,20 @@ def in_flight(cfg: Config, dp: int) -> list[int]:
 def estimate_stages(cfg: Config, dp: int, gpu: GPU) -> list[StageMemory]:
     """Memory of every pipeline rank for the layout in ``cfg`` with data-parallel size ``dp``."""
     par = cfg.parallel
-    partition = layer_partition(cfg)
+    partition = stage_layers(cfg)
     stages = par.pp * par.virtual_pp
-    tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length / par.cp  # this rank's part of each sequence
+    attention = ring_transient_bytes(cfg)
+    if cfg.model.recompute == "full":
+        attention += _recompute_working_bytes(cfg, gpu)
     flights = in_flight(cfg, dp)
+    chunk_bytes = cache(lambda layers, first, last: chunk_activation_bytes(cfg, gpu, layers, first, last))
     result = []
     for rank, params in enumerate(rank_parameters(cfg)):
         weights, grads, optimizer = static_bytes(cfg, params, dp)
         chunks = [virtual_stage(rank, c, par.pp) for c in range(par.virtual_pp)]
-        per_unit = max(chunk_activation_bytes(cfg, gpu, len(partition[s]), s == 0, s == stages - 1) for s in chunks)
-        transient = 0.0
-        if stages - 1 in chunks:
-            transient = loss_transient_bytes(cfg)
-        if cfg.model.recompute == "full":
-            transient = max(transient, _recompute_working_bytes(cfg, gpu))
+        per_unit = max(chunk_bytes(len(partition[s]), s == 0, s == stages - 1) for s in chunks)
+        transient = max(attention, loss_transient_bytes(cfg) if stages - 1 in chunks else 0.0)
         result.append(StageMemory(rank, weights, grads, optimizer, flights[rank] * per_unit * tokens,
                                   transient * tokens, gpu.overhead_gib * GIB, flights[rank]))
     return result

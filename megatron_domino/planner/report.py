@@ -5,20 +5,20 @@ from .memory import GIB
 from .search import Estimate
 
 def _header(unit: str) -> str:
-    return (f"   #  tp  pp   dp   v mbs recompute zero tp-comm   | {unit}/GPU = params  grads  optim    act  other"
-            " |  step s  bubble  tp-exp   pp+dp |   tokens/s   MFU")
+    return (f"   #  tp  cp  pp   dp   v mbs recompute zero tp-comm   | {unit}/GPU = params  grads  optim    act"
+            "  other |  step s  bubble  tp-exp  cp-exp   pp+dp |   tokens/s   MFU")
 
 
 def format_row(index: int, est: Estimate, scale: float = GIB) -> str:
     lay, mem, time = est.layout, est.memory, est.time
     other = mem.transient + mem.overhead
     fit = "" if est.fits else "  OOM"
-    return (f"{index:>4} {lay.tp:>3} {lay.pp:>3} {lay.dp:>4} {lay.virtual_pp:>3} {lay.micro_batch:>3} "
+    return (f"{index:>4} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.dp:>4} {lay.virtual_pp:>3} {lay.micro_batch:>3} "
             f"{lay.recompute:<9} {lay.zero_stage:>4} {lay.tp_mode:<9} | {mem.total / scale:>7.1f} = "
             f"{mem.params / scale:>6.1f} {mem.grads / scale:>6.1f} {mem.optimizer / scale:>6.1f} "
             f"{mem.activations / scale:>6.1f} {other / scale:>6.1f} | {time.total:>7.4g} {time.bubble:>7.3g} "
-            f"{time.tp_exposed:>7.3g} {time.pp_comm + time.dp_exposed:>7.3g} | {est.tokens_per_s:>10,.0f} "
-            f"{est.mfu:>5.1%}{fit}")
+            f"{time.tp_exposed:>7.3g} {time.cp_exposed:>7.3g} {time.pp_comm + time.dp_exposed:>7.3g} | "
+            f"{est.tokens_per_s:>10,.0f} {est.mfu:>5.1%}{fit}")
 
 
 def format_table(estimates: list[Estimate], shown: list[Estimate]) -> str:
@@ -30,5 +30,6 @@ def format_table(estimates: list[Estimate], shown: list[Estimate]) -> str:
     lines += [format_row(i + 1, est, scale) for i, est in enumerate(shown)]
     lines.append(f"{unit}/GPU: the pipeline rank with the most memory; other = transient peaks + fixed overhead. "
                  "tp-comm: domino = TP all-reduces overlapped by Domino, sp = sequence parallel "
-                 "(sp+domino: both), - = no TP. Times in seconds per step.")
+                 "(sp+domino: both), - = no TP. cp-exp: ring attention's K/V transfers not hidden behind "
+                 "attention. Times in seconds per step.")
     return "\n".join(lines)

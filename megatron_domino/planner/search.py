@@ -1,9 +1,10 @@
 """Enumerate every valid layout for a cluster, estimate each, and rank them.
 
-A layout is (tp, pp, dp, virtual pp, micro batch, recompute, ZeRO stage) plus how TP communicates:
-Domino's overlap or sequence parallelism (they do not combine). Every candidate goes through
-``validate_config`` (without file checks) so the planner can never suggest a layout the trainer
-would refuse. Ranking: layouts that fit first, fastest first (ties within 3 significant digits go
+A layout is (tp, cp, pp, dp, virtual pp, micro batch, recompute, ZeRO stage) plus how TP communicates:
+Domino's overlap, sequence parallelism, or both. Context-parallel sizes are those whose 2*cp chunks split
+the sequence evenly (ring attention's load balance). ``validate_config`` (without file checks) passes
+one layout of each (tp, cp, pp) and every layout shown or emitted, so the planner never suggests a
+layout the trainer would refuse. Ranking: layouts that fit first, fastest first (ties within 3 significant digits go
 to the one with less memory); then the ones that do not fit, smallest memory first (the nearest
 misses say what to change).
 """
@@ -35,6 +36,11 @@ class Layout:
     zero_stage: int
     sequence_parallel: bool
     domino: bool
+    cp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def tp_mode(self) -> str:
@@ -45,19 +51,27 @@ class Layout:
     def overrides(self) -> list[str]:
         """The layout as ``section.key=value`` overrides for the loader and the entry points."""
         flag = lambda v: "true" if v else "false"  # noqa: E731
-        return [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}",
+        return [f"parallel.tp={self.tp}", f"parallel.cp={self.cp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}",
                 f"parallel.virtual_pp={self.virtual_pp}", f"parallel.sequence_parallel={flag(self.sequence_parallel)}",
                 f"parallel.domino={flag(self.domino)}", f"train.micro_batch_size={self.micro_batch}",
                 f"model.recompute={self.recompute}", f"optimizer.zero_stage={self.zero_stage}"]
 
     def apply(self, cfg: Config) -> Config:
-        return replace(cfg,
-                       model=replace(cfg.model, recompute=self.recompute),
-                       parallel=replace(cfg.parallel, tp=self.tp, pp=self.pp, dp=self.dp, virtual_pp=self.virtual_pp,
-                                        sequence_parallel=self.sequence_parallel, domino=self.domino,
-                                        pipeline_layout=None),
-                       train=replace(cfg.train, micro_batch_size=self.micro_batch),
-                       optimizer=replace(cfg.optimizer, zero_stage=self.zero_stage))
+        return _updated(cfg,
+                        model=_updated(cfg.model, recompute=self.recompute),
+                        parallel=_updated(cfg.parallel, tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp,
+                                          virtual_pp=self.virtual_pp, sequence_parallel=self.sequence_parallel,
+                                          domino=self.domino, pipeline_layout=None),
+                        train=_updated(cfg.train, micro_batch_size=self.micro_batch),
+                        optimizer=_updated(cfg.optimizer, zero_stage=self.zero_stage))
+
+
+def _updated(section, **changes):
+    """``dataclasses.replace`` for the config's plain dataclasses without re-running ``__init__``: ten times
+    faster, and a search applies tens of thousands of layouts."""
+    new = object.__new__(type(section))
+    new.__dict__.update(vars(section), **changes)
+    return new
 
 
 @dataclass(frozen=True)
@@ -83,43 +97,57 @@ def _tp_modes(tp: int, domino: bool) -> list[tuple[bool, bool]]:
 
 
 def candidate_layouts(cfg: Config, world_size: int, only: dict[str, Iterable] | None = None) -> list[Layout]:
-    """Every layout of ``world_size`` GPUs that ``validate_config`` accepts; ``only`` restricts fields of Layout."""
+    """Every layout of ``world_size`` GPUs worth estimating; ``only`` restricts fields of Layout.
+
+    ``validate_config`` costs milliseconds, too much for each of thousands of layouts, so it runs once per
+    (tp, cp, pp), on the first variant; the rules that tell the variants apart are applied here (micro
+    batches per step divide evenly, and into pp when interleaved; sequence parallelism splits each rank's
+    s/cp tokens over tp; virtual pp divides the layers and suits a pinned schedule), and ``first_valid``
+    validates in full whatever is shown or emitted."""
     only = {key: set(values) for key, values in (only or {}).items()}
     unknown = set(only) - set(Layout.__dataclass_fields__)
     if unknown:
         raise ValueError(f"unknown layout field(s) {sorted(unknown)}; valid: {', '.join(Layout.__dataclass_fields__)}")
     allowed = lambda key, value: key not in only or value in only[key]  # noqa: E731
-    layers, batch = cfg.model.num_layers, cfg.train.global_batch_size
+    layers, seq, schedule = cfg.model.num_layers, cfg.model.seq_length, cfg.parallel.pipeline_schedule
     found = []
     for tp in [t for t in _divisors(world_size) if t <= MAX_TP and allowed("tp", t)]:
-        for pp in [p for p in _divisors(world_size // tp) if p <= layers and allowed("pp", p)]:
-            dp = world_size // (tp * pp)
-            virtual = _divisors(layers // pp) if pp > 1 else [1]
-            shape = product([v for v in virtual if allowed("virtual_pp", v)],
-                            [b for b in MICRO_BATCHES if batch % (b * dp) == 0 and allowed("micro_batch", b)],
-                            _tp_modes(tp, cfg.parallel.domino))
-            for v, micro, (sp, domino) in shape:
-                if not (allowed("sequence_parallel", sp) and allowed("domino", domino)):
-                    continue
-                base = Layout(tp, pp, dp, v, micro, cfg.model.recompute, cfg.optimizer.zero_stage, sp, domino)
-                if not is_valid(cfg, base):
-                    continue
-                stages = ZERO_STAGES if dp > 1 else (cfg.optimizer.zero_stage,)  # one DP rank: the stage is moot
-                for recompute, zero in product(RECOMPUTE, stages):
-                    if allowed("recompute", recompute) and allowed("zero_stage", zero):
-                        found.append(replace(base, recompute=recompute, zero_stage=zero))
+        for cp in [c for c in _divisors(world_size // tp) if (c == 1 or seq % (2 * c) == 0) and allowed("cp", c)]:
+            for pp in [p for p in _divisors(world_size // (tp * cp)) if p <= layers and allowed("pp", p)]:
+                virtual = [1] if pp == 1 else [v for v in _divisors(layers // pp) if schedule is None
+                                               or (v > 1) == (schedule == "interleaved")]
+                variants = [lay for v in virtual if allowed("virtual_pp", v)
+                            for lay in _variants(cfg, tp, cp, pp, world_size // (tp * cp * pp), v, allowed)]
+                if variants and is_valid(cfg, replace(variants[0], recompute=cfg.model.recompute,
+                                                      zero_stage=cfg.optimizer.zero_stage)):
+                    found += variants
     return found
 
 
+def _variants(cfg: Config, tp: int, cp: int, pp: int, dp: int, v: int, allowed) -> list[Layout]:
+    """The micro batch, TP communication, recompute and ZeRO choices of one (tp, cp, pp, dp, virtual pp)."""
+    batch, seq = cfg.train.global_batch_size, cfg.model.seq_length
+    micro = [b for b in MICRO_BATCHES if batch % (b * dp) == 0 and allowed("micro_batch", b)
+             and (v == 1 or batch // (b * dp) % pp == 0)]
+    modes = [(sp, domino) for sp, domino in _tp_modes(tp, cfg.parallel.domino) if (not sp or seq % (tp * cp) == 0)
+             and allowed("sequence_parallel", sp) and allowed("domino", domino)]
+    # One replica: the ZeRO stage is moot. Several micro-batches: ZeRO-2 keeps whole gradients all step and
+    # would repeat ZeRO-1's row, so it is not estimated (``_without_equal_zero_stages`` drops other repeats).
+    stages = [z for z in (ZERO_STAGES if dp * cp > 1 else (cfg.optimizer.zero_stage,)) if allowed("zero_stage", z)]
+    return [Layout(tp, pp, dp, v, b, recompute, zero, sp, domino, cp)
+            for b, (sp, domino), recompute, zero in product(micro, modes, RECOMPUTE, stages)
+            if allowed("recompute", recompute) and not (zero == 2 and 1 in stages and batch // (b * dp) > 1)]
+
+
 def first_valid(cfg: Config, estimates: Iterable[Estimate], count: int) -> list[Estimate]:
-    """The first ``count`` estimates whose whole layout passes ``validate_config``. The enumeration validates
-    each shape once with the config's recompute and ZeRO stage; what is shown or emitted is checked in full."""
+    """The first ``count`` estimates whose whole layout passes ``validate_config``: the enumeration validates
+    one layout per (tp, cp, pp); what is shown or emitted is checked in full."""
     return list(islice((e for e in estimates if is_valid(cfg, e.layout)), count))
 
 
 def is_valid(cfg: Config, layout: Layout) -> bool:
     try:
-        validate_config(layout.apply(cfg), world_size=layout.tp * layout.pp * layout.dp, check_paths=False)
+        validate_config(layout.apply(cfg), world_size=layout.world_size, check_paths=False)
     except ConfigError:
         return False
     return True
@@ -130,9 +158,8 @@ def evaluate(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int,
     applied = layout.apply(cfg)
     memory = estimate_memory(applied, layout.dp, gpu)
     time = estimate_step_time(applied, layout.dp, gpu, gpus_per_node, assumptions)
-    world = layout.tp * layout.pp * layout.dp
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
-    mfu = model_flops_per_step(applied) / (time.total * world * gpu.peak_tflops * 1e12)
+    mfu = model_flops_per_step(applied) / (time.total * layout.world_size * gpu.peak_tflops * 1e12)
     return Estimate(layout, memory, time, memory.total <= gpu.memory_bytes, tokens / time.total, mfu)
 
 

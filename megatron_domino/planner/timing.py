@@ -5,10 +5,11 @@ A first-order model for ranking layouts, not a simulator. Assumptions, each a kn
 Compute. ``counters.flops_per_token`` (forward + backward, attention over the full s x s square) per
 token, at ``efficiency`` (default 0.5) of the GPU's dense peak. Full recompute re-runs each block's
 forward (+1/3 of the block's FLOPs); selective recompute re-runs attention's score and weighted sum
-(4*s*a*d per token and layer). The slowest pipeline rank (most layers, plus the output head on the
-last) sets the pace; every rank waits for it.
+(4*s*a*d per token and layer). A context-parallel rank computes s/cp tokens of each sequence, each still
+attending over the whole causal prefix: 1/cp of every FLOP, attention included. The slowest pipeline
+rank (most layers, plus the output head on the last) sets the pace; every rank waits for it.
 
-Tensor parallelism. Each block runs 2 all-reduces of the [micro batch, s, h] activations forward and
+Tensor parallelism. Each block runs 2 all-reduces of the [micro batch, s/cp, h] activations forward and
 2 backward (sequence parallelism: an all-gather and a reduce-scatter in place of each, the same
 bytes; its full recompute repeats the 2 forward all-gathers). A ring all-reduce of B bytes over t
 ranks costs 2*(t-1)/t * B / bandwidth (all-gather, reduce-scatter: half that), with NVLink bandwidth
@@ -19,12 +20,27 @@ runs at micro batch 1. With sequence parallelism Domino overlaps the reduce-scat
 input-gradient reduce-scatters (backward) but not the all-gathers each phase starts with, so it hides
 half of that share.
 
+Context parallelism (ring attention, as ``models/ring_attention.py`` runs it). Each layer, every rank's
+K/V block (2 * micro batch * s/cp * g/t * d * e bytes: local KV heads, local tokens) travels around the
+cp ring in cp - 1 steps forward; recompute (selective or full) runs the forward ring again. Backward sends
+the K/V blocks around once more, plus their gradients, in fp32 and one hop further (home). A transfer
+goes over NVLink when the cp ring (given parallel.order and gpus_per_node) lies inside one node, else
+over InfiniBand (the slowest hop sets the pace). Overlap assumption: a K/V block is received while the
+previous one is computed, so each of the cp - 1 steps exposes only max(0, transfer - block compute);
+backward, a block's dK/dV hop travels while the next step computes, beside that step's K/V transfer, so
+each of those cp - 1 steps exposes max(0, K/V + dK/dV - block backward); the last hop (home) has
+nothing left to hide behind and is exposed. The load-balanced layout gives every step the same causal work, 2*a*d*s^2/(cp^2 * t)
+FLOPs per sequence forward (the causal half, not the s x s square the FLOP count uses), at
+``efficiency``; backward twice that. Document masking computes less attention (only within
+documents) while sending the same blocks: not modelled, so long documents are assumed. The dp x cp
+gradient reduction is under data parallelism below.
+
 Pipeline. 1F1B's bubble is (pp - 1) / virtual_pp micro-batch times (Narayanan et al. 2021). Each
 micro-batch crosses virtual_pp stage boundaries, receiving its activation forward and its gradient
-backward ([micro batch, s / (tp if SP), h] per TP rank), fully exposed.
+backward ([micro batch, s / cp / (tp if SP), h] per rank), fully exposed.
 
 Data parallelism. Once per step: all-reduce of the gradients (ZeRO-0), or reduce-scatter of the
-gradients then all-gather of the updated weights (ZeRO-1/2), over the DP group's link. With
+gradients then all-gather of the updated weights (ZeRO-1/2), over the dp x cp group and its link. With
 ``optimizer.overlap_grad_reduce`` the gradient reduction overlaps the last micro-batch's backward
 (at most its length); the weight all-gather follows the optimizer step and is exposed. The optimizer
 step itself (memory bound) is not counted.
@@ -32,14 +48,15 @@ step itself (memory bound) is not counted.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
+from itertools import product
 
 from ..config.schema import Config
 from ..models.counters import flops_per_token
 from ..parallel.topology import Topology
 from ..pipeline.schedules import virtual_stage
-from ..pipeline.stages import layer_partition
 from .hardware import GPU
-from .memory import rank_parameters, weight_bytes
+from .memory import per_model_layout, rank_parameters, stage_layers, weight_bytes
 
 
 @dataclass(frozen=True)
@@ -57,26 +74,31 @@ class StepTime:
     bubble: float  # pipeline fill and drain
     tp_exposed: float  # TP communication not hidden
     tp_hidden: float  # TP communication Domino hides (not in total)
+    cp_exposed: float  # ring attention's K/V transfers not hidden behind block attention
+    cp_hidden: float  # ring transfers hidden (not in total)
     pp_comm: float  # stage-to-stage transfers
     dp_exposed: float  # DP reduction and weight gather not overlapped
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tp_exposed + self.pp_comm + self.dp_exposed
+        return self.compute + self.bubble + self.tp_exposed + self.cp_exposed + self.pp_comm + self.dp_exposed
 
 
-def _link(topology: Topology, axis: str, gpus_per_node: int, gpu: GPU) -> float:
-    """Bandwidth (bytes/s) of one group along ``axis``: NVLink when it lies inside one node."""
-    members = [topology.rank_of(**{axis: i}) for i in range(topology.sizes[axis])]
-    inside = len({rank // gpus_per_node for rank in members}) == 1
-    return (gpu.intra_node_gbps if inside else gpu.inter_node_gbps) * 1e9
+@lru_cache(maxsize=4096)
+def _inside_one_node(sizes: tuple[int, int, int, int], order: str, axes: tuple[str, ...], gpus_per_node: int) -> bool:
+    """Whether rank 0's group along ``axes`` of a tp x cp x pp x dp grid (``sizes``) lies inside one node."""
+    tp, cp, pp, dp = sizes
+    topology = Topology(tp * cp * pp * dp, tp, pp, dp, 1, order, cp=cp)
+    members = [topology.rank_of(**dict(zip(axes, at))) for at in product(*(range(topology.sizes[a]) for a in axes))]
+    return len({rank // gpus_per_node for rank in members}) == 1
 
 
 def _all_reduce(nbytes: float, ranks: int, bandwidth: float) -> float:
     return 2 * (ranks - 1) / ranks * nbytes / bandwidth if ranks > 1 else 0.0
 
 
-def _rank_flops_per_token(cfg: Config) -> list[float]:
+@per_model_layout
+def _rank_flops_per_token(cfg: Config) -> tuple[float, ...]:
     """Training FLOPs per token that each pipeline rank computes, summed over its TP ranks (recompute included)."""
     model, par = cfg.model, cfg.parallel
     s = model.seq_length
@@ -84,13 +106,13 @@ def _rank_flops_per_token(cfg: Config) -> list[float]:
     per_layer = (flops_per_token(model, s) - head) / model.num_layers
     attention = (flops_per_token(model, s) - flops_per_token(model, 0)) / model.num_layers
     per_layer += {"full": per_layer / 3, "selective": attention / 3}.get(model.recompute, 0.0)
-    partition = layer_partition(cfg)
+    partition = stage_layers(cfg)
     last = par.pp * par.virtual_pp - 1
     totals = []
     for rank in range(par.pp):
         stages = [virtual_stage(rank, c, par.pp) for c in range(par.virtual_pp)]
         totals.append(sum(len(partition[st]) for st in stages) * per_layer + (head if last in stages else 0.0))
-    return totals
+    return tuple(totals)
 
 
 def _domino_hidden_share(cfg: Config, assumptions: TimingAssumptions) -> float:
@@ -102,45 +124,68 @@ def _domino_hidden_share(cfg: Config, assumptions: TimingAssumptions) -> float:
     return share / 2 if par.sequence_parallel else share
 
 
+def _ring_attention(cfg: Config, gpu: GPU, bandwidth: float, assumptions: TimingAssumptions) -> tuple[float, float]:
+    """(exposed, hidden) seconds of one layer's ring transfers per micro-batch, forward + backward."""
+    model, par = cfg.model, cfg.parallel
+    if par.cp == 1:
+        return 0.0, 0.0
+    s, b, t, cp, d = model.seq_length, cfg.train.micro_batch_size, par.tp, par.cp, model.head_dim
+    elements = 2 * b * s / cp * model.query_groups / t * d  # K and V of the local tokens
+    kv, grads = elements * weight_bytes(cfg) / bandwidth, elements * 4 / bandwidth  # dK/dV travel in fp32
+    rate = gpu.peak_tflops * 1e12 * assumptions.efficiency
+    block = 2 * model.num_attention_heads * d * s * s / (cp * cp * t) * b / rate  # one step's forward attention
+    forwards = 2 if model.recompute != "none" else 1  # recompute runs the forward ring again
+    exposed = forwards * (cp - 1) * max(0.0, kv - block) + (cp - 1) * max(0.0, kv + grads - 2 * block) + grads
+    return exposed, (forwards + 1) * (cp - 1) * kv + cp * grads - exposed
+
+
 def estimate_step_time(cfg: Config, dp: int, gpu: GPU, gpus_per_node: int,
                        assumptions: TimingAssumptions = TimingAssumptions()) -> StepTime:
     """Seconds per step of the layout in ``cfg`` with data-parallel size ``dp`` (see the module docstring)."""
     model, par, train = cfg.model, cfg.parallel, cfg.train
-    topology = Topology(par.tp * par.pp * dp, par.tp, par.pp, dp, par.virtual_pp, par.order)
+    sizes = (par.tp, par.cp, par.pp, dp)
+
+    def link(*axes: str) -> float:
+        """Bandwidth (bytes/s) of a group along ``axes``: NVLink when it lies inside one node."""
+        inside = _inside_one_node(sizes, par.order, axes, gpus_per_node)
+        return 1e9 * (gpu.intra_node_gbps if inside else gpu.inter_node_gbps)
     e, m = weight_bytes(cfg), train.num_microbatches(dp)
-    tokens = train.micro_batch_size * model.seq_length
+    tokens = train.micro_batch_size * model.seq_length / par.cp  # this rank's part of the micro-batch
     activation = tokens * model.hidden_size * e
     sp = par.sequence_parallel and par.tp > 1
 
     flops = _rank_flops_per_token(cfg)
     slowest = max(range(par.pp), key=lambda r: flops[r])
     compute_mb = flops[slowest] * tokens / par.tp / (gpu.peak_tflops * 1e12 * assumptions.efficiency)
-    partition = layer_partition(cfg)
+    partition = stage_layers(cfg)
     layers = sum(len(partition[virtual_stage(slowest, c, par.pp)]) for c in range(par.virtual_pp))
     reductions = 4 + (1 if sp and model.recompute == "full" else 0)
-    tp_mb = layers * reductions * _all_reduce(activation, par.tp, _link(topology, "tp", gpus_per_node, gpu))
+    tp_mb = layers * reductions * _all_reduce(activation, par.tp, link("tp"))
     hidden = _domino_hidden_share(cfg, assumptions)
     pp_mb = 0.0
     if par.pp > 1:
-        transfer = activation / (par.tp if sp else 1) / _link(topology, "pp", gpus_per_node, gpu)
+        transfer = activation / (par.tp if sp else 1) / link("pp")
         pp_mb = 2 * par.virtual_pp * transfer
-    per_microbatch = compute_mb + (1 - hidden) * tp_mb + pp_mb
+    cp_exposed, cp_hidden = (layers * x for x in _ring_attention(cfg, gpu, link("cp"), assumptions))
+    per_microbatch = compute_mb + (1 - hidden) * tp_mb + cp_exposed + pp_mb
 
     dp_exposed = 0.0
-    if dp > 1:
+    replicas = dp * par.cp  # context-parallel ranks reduce their gradients with the data-parallel ones
+    if replicas > 1:
         params = max(rank_parameters(cfg))
-        bandwidth = _link(topology, "dp", gpus_per_node, gpu)
+        bandwidth = link("dp", "cp")
         grad_bytes = params * (4 if cfg.optimizer.accumulate_grads_in_fp32 else e)
         if cfg.optimizer.zero_stage == 0:
-            reduce, gather = _all_reduce(grad_bytes, dp, bandwidth), 0.0
+            reduce, gather = _all_reduce(grad_bytes, replicas, bandwidth), 0.0
         else:
-            reduce = _all_reduce(grad_bytes, dp, bandwidth) / 2
-            gather = _all_reduce(params * e, dp, bandwidth) / 2
+            reduce = _all_reduce(grad_bytes, replicas, bandwidth) / 2
+            gather = _all_reduce(params * e, replicas, bandwidth) / 2
         overlap = min(reduce, compute_mb * 2 / 3) if cfg.optimizer.overlap_grad_reduce else 0.0
         dp_exposed = reduce - overlap + gather
 
     return StepTime(compute=m * compute_mb, bubble=(par.pp - 1) / par.virtual_pp * per_microbatch,
-                    tp_exposed=m * (1 - hidden) * tp_mb, tp_hidden=m * hidden * tp_mb, pp_comm=m * pp_mb,
+                    tp_exposed=m * (1 - hidden) * tp_mb, tp_hidden=m * hidden * tp_mb,
+                    cp_exposed=m * cp_exposed, cp_hidden=m * cp_hidden, pp_comm=m * pp_mb,
                     dp_exposed=dp_exposed)
 
 

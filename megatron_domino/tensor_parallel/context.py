@@ -3,7 +3,8 @@
 The TP group, whether activations are split along the sequence between TP regions (sequence
 parallelism), how Domino reduces input gradients, and the parameters' dtype and device used to
 travel as separate arguments through every model constructor. A ``TPContext`` carries them
-together, explicitly: no layer looks anything up in process-wide state.
+together, explicitly: no layer looks anything up in process-wide state. It also names the
+context-parallel ring, which only attention and the positions use.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class TPContext:
     grad_pieces: int = 0  # Domino: column pieces of the async input-gradient all-reduce; 0 = synchronous
     dtype: torch.dtype = torch.float32
     device: torch.device | None = None
+    cp_group: object = None  # the context-parallel ring (ring attention); None: one rank
 
     def __post_init__(self):
         object.__setattr__(self, "sequence_parallel", bool(self.sequence_parallel) and self.size > 1)
@@ -33,3 +35,12 @@ class TPContext:
     @property
     def rank(self) -> int:
         return dist.get_rank(self.group) if self.size > 1 else 0
+
+    @property
+    def cp_size(self) -> int:
+        return comm.group_size(self.cp_group)
+
+    @property
+    def cp_rank(self) -> int:
+        """Rank in the ring, which is the cp coordinate (ring members are created in cp order)."""
+        return dist.get_rank(self.cp_group) if self.cp_size > 1 else 0

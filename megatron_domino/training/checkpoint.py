@@ -136,7 +136,7 @@ class Checkpointer:
     def _layout(self) -> dict:
         state = self.state
         return fmt.layout(state.tp_size, state.pp_size, state.dp_size, state.virtual_pp,
-                          self.cfg.optimizer.zero_stage)
+                          self.cfg.optimizer.zero_stage, state.cp_size)
 
     def load(self, path: str, *, chunks, optimizer, schedule, phase: Phase | None = None) -> dict:
         """Load weights (and optimizer, schedule, RNG where present) into this rank; returns the metadata.
@@ -159,7 +159,7 @@ class Checkpointer:
             optimizer_load.apply()
             schedule.load_state_dict(metadata["lr_schedule"])
         rng_file = os.path.join(path, fmt.rng_file(self.state.rank))
-        if metadata.get("layout") == self._layout() and os.path.exists(rng_file):
+        if fmt.saved_layout(metadata) == self._layout() and os.path.exists(rng_file):
             restore_rng_state(torch.load(rng_file, weights_only=True))
         phase.barrier("loaded")
         return metadata

@@ -1,9 +1,10 @@
 """``--dry-run``: check a launch on one CPU process before any GPU is asked for.
 
 Validates the config for the world size, builds the rank grid (plain arithmetic, no process group,
-no collective), and prints the rank map, the communication groups, the pipeline schedule's shape
-and the per-GPU memory estimate of the configured layout. A 1024-GPU job is checked in a second
-on a login node; a layout that would fail after 1024 ranks started fails here instead.
+no collective), and prints the rank map, the communication groups (tensor, context-parallel ring,
+data, gradient, pipeline, embedding), the pipeline schedule's shape and the per-GPU memory estimate
+of the configured layout. A 1024-GPU job is checked in a second on a login node; a layout that would
+fail after 1024 ranks started fails here instead.
 
     python -m megatron_domino.training.dry_run --config configs/gpt/175b.yaml --world-size 1024 [key=value ...]
 """
@@ -44,10 +45,15 @@ def _rank_map(topology: Topology, gpus_per_node: int) -> list[str]:
 
 
 def _groups(topology: Topology, gpus_per_node: int) -> list[str]:
+    """One line per kind of group; the gradient group (dp x cp) only when it differs from data parallel."""
+    kinds = [("tensor parallel", topology.tp_groups()), ("context parallel (ring order)", topology.cp_groups()),
+             ("data parallel", topology.dp_groups())]
+    if topology.cp > 1:
+        kinds.append(("gradients and ZeRO (data x context parallel)", topology.dp_cp_groups()))
+    kinds += [("pipeline (stage order)", topology.pp_groups()),
+              ("embedding (first + last stage)", topology.embedding_groups())]
     lines = ["groups:"]
-    for name, groups in (("tensor parallel", topology.tp_groups()), ("data parallel", topology.dp_groups()),
-                         ("pipeline (stage order)", topology.pp_groups()),
-                         ("embedding (first + last stage)", topology.embedding_groups())):
+    for name, groups in kinds:
         lines.append(f"  {name}: {len(groups)} groups of {len(groups[0])}, {_node_span(groups, gpus_per_node)}; "
                      f"first {_example(groups[0])}")
     return lines
@@ -57,16 +63,18 @@ def _schedule(cfg: Config, dp: int, flights: list[int]) -> str:
     par = cfg.parallel
     kind = schedule_kind(par.pp, par.virtual_pp, par.pipeline_schedule)
     unit = "chunk-micro-batches" if kind == "interleaved" else "micro-batches"
+    split = (f" (each sequence split over {par.cp} context-parallel ranks, {cfg.model.seq_length // par.cp} tokens "
+             f"each)" if par.cp > 1 else "")
     return (f"schedule: {kind}, {cfg.train.num_microbatches(dp)} micro-batches of {cfg.train.micro_batch_size} "
-            f"per step on each of {dp} data-parallel replicas; {unit} in flight: {flights[0]} on pipeline rank 0, "
-            f"{flights[-1]} on the last")
+            f"per step on each of {dp} data-parallel replicas{split}; {unit} in flight: {flights[0]} on pipeline "
+            f"rank 0, {flights[-1]} on the last")
 
 
 def dry_run(cfg: Config, world_size: int, gpus_per_node: int = 8, gpu: str = "h100-80gb") -> str:
     """The dry-run report for ``cfg`` on ``world_size`` ranks; raises ``ConfigError`` for an invalid config."""
     notes = validate_config(cfg, world_size=world_size, check_paths=False)
     par = cfg.parallel
-    topology = Topology(world_size, par.tp, par.pp, par.dp, par.virtual_pp, par.order)
+    topology = Topology.from_config(par, world_size)
     device = get_gpu(gpu)
     nodes = -(-world_size // gpus_per_node)
     lines = [f"dry run: {world_size} ranks on {nodes} node(s) x {gpus_per_node}; "

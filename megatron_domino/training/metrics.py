@@ -13,6 +13,7 @@ import time
 import torch
 
 from ..config.errors import ConfigError
+from .moe_metrics import format_moe
 
 # Dense bf16 peak TFLOP/s per device, by a substring of torch.cuda.get_device_name().
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
@@ -133,6 +134,8 @@ def format_train_line(r: dict, total_steps: int) -> str:
     parts += [f"{r['tokens_per_s']:.0f} tok/s", f"{r['tflops_per_device']:.2f} TFLOP/s/dev"]
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    if "moe_aux_loss" in r:
+        parts.append(format_moe(r))
     parts += [f"mem {r['mem_gib']:.2f}/{r['mem_peak_gib']:.2f} GiB", f"ETA {_duration(r['eta_s'])}"]
     if r.get("timers_ms"):
         parts.append("timers(ms) " + " ".join(f"{k} {v:.1f}" for k, v in r["timers_ms"].items()))

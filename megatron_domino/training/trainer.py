@@ -19,6 +19,7 @@ from ..config.loader import config_to_dict, save_config
 from ..data import MicroBatchLoader, build_train_valid_test_datasets
 from ..models.counters import flops_per_token
 from ..models.language_model import WORD_EMBEDDINGS
+from ..models.ring_attention import split_for_context_parallel
 from ..optim import LRSchedule
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..parallel import Topology, init_distributed
@@ -33,6 +34,7 @@ from .checkpoint import Checkpointer, load_phase, resolve_load_path, save_phase
 from .checkpoint_dir import prepare_run_dirs
 from .guard import BadStepGuard
 from .metrics import MetricsWriter, Timers, device_peak_tflops, format_train_line, memory_gib
+from .moe_metrics import moe_metrics
 from .profiling import OomSnapshot, ProfileWindow
 from .signals import PreemptionHandler
 from .straggler import StragglerReport
@@ -49,7 +51,7 @@ class Trainer:
         self.cfg = cfg
         par = cfg.parallel
         self.device = init_distributed(par.backend, collective_timeout_s(par))
-        topology = Topology(dist.get_world_size(), par.tp, par.pp, par.dp, par.virtual_pp, par.order)
+        topology = Topology.from_config(par, dist.get_world_size())
         self.state = parallel_state.initialize(topology, self.device, collective_timeout_s(par),
                                                 strict=par.strict_transport)
         # before any model or index is built: an unusable folder fails in seconds, not at the first save
@@ -66,7 +68,7 @@ class Trainer:
         seed_streams(train.seed, self.state.tp_rank, self.state.pp_rank, self.device)
         self.dtype = param_dtype(train)
         self.chunks = build_stage_chunks(cfg, self.state, dtype=self.dtype, device=self.device, init_seed=train.seed)
-        self.optimizer = DistributedOptimizer(self.chunks, cfg.optimizer, dp_group=self.state.dp_group,
+        self.optimizer = DistributedOptimizer(self.chunks, cfg.optimizer, dp_group=self.state.dp_cp_group,
                                               tp_rank=self.state.tp_rank,
                                               norm_groups=[self.state.tp_group, self.state.pp_group],
                                               fp16=train.fp16, bf16=train.bf16, bucket_alone=(WORD_EMBEDDINGS,))
@@ -125,7 +127,10 @@ class Trainer:
     def _next_microbatches(self, loader) -> list[dict]:
         if loader is None:  # a middle stage: activations come over p2p
             return [{} for _ in range(self.num_microbatches)]
-        return loader.next_step()  # in host memory: the engine moves them to the device one at a time
+        microbatches = loader.next_step()  # in host memory: the engine moves them to the device one at a time
+        if self.state.cp_size > 1:  # this rank's two chunks of each sequence
+            return [split_for_context_parallel(b, self.state.cp_size, self.state.cp_rank) for b in microbatches]
+        return microbatches
 
     # ----- checkpoints --------------------------------------------------------------------------
     def _maybe_load(self) -> None:
@@ -310,6 +315,8 @@ class Trainer:
                   "consumed_samples": self._consumed}
         if self.cfg.train.fp16:
             record["loss_scale"] = self.optimizer.loss_scale
+        if self.cfg.model.num_experts:
+            record.update(moe_metrics(self.chunks, self.cfg.model, self.device))
         if self.cfg.log.timers:
             self.timers.add("p2p-wait", self.engine.executor.p2p.take_wait_seconds())
             record["timers_ms"] = self.timers.report()

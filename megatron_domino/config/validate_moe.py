@@ -1,0 +1,71 @@
+"""The mixture-of-experts rules (``model.num_experts`` and friends, ``parallel.ep``), part of ``validate``.
+
+Kept apart from the dense rules because none of them applies to a dense model.
+"""
+from __future__ import annotations
+
+from .schema import MOE_ROUTERS, Config
+
+
+def check_moe(c, cfg: Config, dp: int | None) -> None:
+    """``c`` is ``validate._Checks``; ``dp`` the data-parallel size when known."""
+    m, p = cfg.model, cfg.parallel
+    if m.num_experts is not None and m.num_experts < 0:
+        c.fail("model.num_experts", m.num_experts, "must be null or 0 (dense) or positive",
+               "set model.num_experts to the number of experts, or null for a dense model")
+    if not c.positive("parallel.ep", p.ep):
+        return
+    if not m.num_experts:
+        if p.ep > 1:
+            c.fail("parallel.ep", p.ep, "expert parallelism needs experts (model.num_experts is unset)",
+                   "set parallel.ep=1 or model.num_experts")
+        return
+    c.one_of("model.moe_router", m.moe_router, MOE_ROUTERS)
+    c.positive("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size, optional=True)
+    c.at_least("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, 0.0)
+    c.at_least("model.moe_z_loss_coeff", m.moe_z_loss_coeff, 0.0)
+    c.at_least("model.moe_shared_experts", m.moe_shared_experts, 0)
+    if m.moe_topk < 1:
+        c.fail("model.moe_topk", m.moe_topk, "must be at least 1", "route each token to 1 or more experts (2 is usual)")
+    elif m.moe_topk > m.num_experts:
+        c.fail("model.moe_topk", m.moe_topk, f"exceeds model.num_experts = {m.num_experts}",
+               f"choose moe_topk between 1 and {m.num_experts}")
+    if m.moe_capacity_factor is not None and not m.moe_capacity_factor > 0:
+        c.fail("model.moe_capacity_factor", m.moe_capacity_factor, "must be positive or null (dropless)",
+               "set a factor such as 1.25, or null to drop no token")
+    if m.moe_ffn_size >= 1:
+        c.divides("model.moe_ffn_hidden_size", m.moe_ffn_size, p.tp, "parallel.tp",
+                  "use an expert FFN width that parallel.tp divides (experts are split like the dense MLP)")
+    if cfg.log.sync_debug:
+        c.fail("log.sync_debug", True, "an MoE layer reads its per-expert token counts on the host (the sizes of "
+               "the expert batches), a host sync that sync_debug makes an error",
+               "set log.sync_debug=false for MoE runs")
+    _check_layer_freq(c, m)
+    _check_ep(c, m, p, dp)
+
+
+def _check_layer_freq(c, m) -> None:
+    freq = m.moe_layer_freq
+    if isinstance(freq, list):
+        if len(freq) != m.num_layers:
+            c.fail("model.moe_layer_freq", freq, f"has {len(freq)} entries for model.num_layers = {m.num_layers}",
+                   "give one 0 (dense) or 1 (MoE) per layer, or an integer k (every k-th layer)")
+        elif any(v not in (0, 1) for v in freq):
+            c.fail("model.moe_layer_freq", freq, "entries must be 0 (dense) or 1 (MoE)", "write e.g. [1,0,1,0]")
+    elif freq < 1:
+        c.fail("model.moe_layer_freq", freq, "must be a positive integer k (MoE every k-th layer) or a list",
+               "use 1 to make every layer MoE")
+
+
+def _check_ep(c, m, p, dp: int | None) -> None:
+    """Megatron's rule (ep ranks come from the data-parallel ones, each holds num_experts / ep), then the
+    present limit: the all-to-all dispatch is not built yet."""
+    if dp is not None and dp % p.ep:
+        c.fail("parallel.ep", p.ep, f"must divide the data-parallel size {dp} (expert ranks are data-parallel ranks)",
+               "choose an ep that divides dp")
+    if m.num_experts % p.ep:
+        c.fail("parallel.ep", p.ep, f"must divide model.num_experts = {m.num_experts}",
+               "choose an ep that divides the number of experts")
+    if p.ep > 1:
+        c.fail("parallel.ep", p.ep, "expert parallelism (the all-to-all token dispatch) is not built yet",
+               "use parallel.ep=1: every rank holds all experts, split by tensor parallelism")

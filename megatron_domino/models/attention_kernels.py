@@ -1,0 +1,47 @@
+"""Fused attention that also returns the log-sum-exp, and its backward: the pieces ring attention merges.
+
+SDPA's public function returns only the output; ring attention needs each block's log-sum-exp to
+merge blocks, and a backward that takes the merged output and log-sum-exp. torch exposes both
+through its fused kernels' ops: on the CPU the flash kernel's CPU ops; on CUDA the memory-efficient
+kernel, which takes fp32 as well as bf16 and fp16 (it pads its log-sum-exp to whole tiles of
+``_CUDA_LSE_TILE`` rows, so the padding is cut off here and restored for the backward).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_CUDA_LSE_TILE = 32
+_aten = torch.ops.aten
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where block results are merged: fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """softmax(q kᵀ/√d) v for [b, heads, s, d] inputs with equal heads: (output, log-sum-exp [b, heads, s_q])."""
+    if q.device.type == "cpu":
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        return out, lse.to(accumulation_dtype(q.dtype))
+    out, lse = _aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)[:2]
+    return out, lse[..., :q.shape[2]].float()
+
+
+def attention_backward(grad_out, q, k, v, out, lse, causal: bool):
+    """(dq, dk, dv) of one block, given the output and log-sum-exp over *all* blocks the queries attend to.
+
+    With the final output and log-sum-exp, each block's probabilities are its share of the full softmax,
+    so the per-block gradients add up to the exact gradient.
+    """
+    grad_out, out = grad_out.contiguous(), out.contiguous()
+    if q.device.type == "cpu":
+        lse = lse.to(accumulation_dtype(q.dtype)).contiguous()
+        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse, 0.0, causal)
+    padded = -(-lse.shape[-1] // _CUDA_LSE_TILE) * _CUDA_LSE_TILE
+    lse = F.pad(lse, (0, padded - lse.shape[-1])).contiguous()
+    no_rng = torch.zeros((), dtype=torch.int64, device=q.device)
+    grads = _aten._scaled_dot_product_efficient_attention_backward(
+        grad_out, q, k, v, None, out, lse, no_rng, no_rng, 0.0, [True, True, True, False], causal)
+    return grads[:3]

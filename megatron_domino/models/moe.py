@@ -1,0 +1,169 @@
+"""The mixture-of-experts feed-forward layer (Mixtral, DeepSeek-style), in place of the MLP of an MoE block.
+
+It has the MLP's two phase pieces, so the block, Domino and the pipeline run it unchanged:
+
+- ``hidden`` (recomputable, no forward communication): the router, then each expert's fc1 and activation
+  on the tokens routed to it (and the shared experts' on every token);
+- ``project`` / ``launch``: each expert's fc2 *partial* output (fc2 is row-parallel), scattered back to
+  its tokens weighted by the gates and summed, plus the shared experts' partial; then ONE all-reduce
+  (reduce-scatter under sequence parallelism) for the whole layer, synchronous or left in flight.
+  Weighting partials is exact because the all-reduce is a sum.
+
+Experts are MLPs split over TP like the dense one (expert TP = tp; parameters
+``mlp.experts.E.fc1/fc2``); every rank holds every expert (``parallel.ep`` 1). Tokens are gathered per
+expert in one sort; their sizes are read on the host (one sync per layer and forward). The input enters the
+TP region once for all experts (copy, or the SP all-gather) without Domino's asynchronous input-gradient
+reduction, which serves one linear.
+
+TP and the router: the router weight is replicated and its fp32 logits enter the TP region like an
+activation (backward sums the logits' gradient over TP), so the logits are identical on every TP rank.
+The gates multiply partials, so each rank's gate gradient is a partial that the sum completes; the
+auxiliary losses are computed identically on every rank, so each adds 1/tp of their gradient. An
+expert's fc2 bias is weighted by its gate per token, so it is added to the partials divided by tp and
+its gradient sums over TP. Under SP the router reads this rank's slice (its gradient sums over TP).
+
+Auxiliary losses reach the gradient without a change to the pipeline (as Megatron does): ``_AttachLoss``
+is the identity on the gates and in backward seeds the losses' gradient. Their weight
+in the objective: the engine sets ``loss_scale_per_sample`` each step to loss_scale / (num_microbatches *
+dp * cp * micro_batch), so the objective is the LM loss (token mean over the global batch) plus the
+auxiliary losses averaged over micro-batches and data-parallel ranks. A routing group (the tokens routed
+together: a micro-batch on one CP rank, or a Domino mu-chunk of it) of b samples weighs
+loss_scale_per_sample * b; the balance loss and the capacity are computed per routing group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel import comm
+from ..tensor_parallel import ParamInfo, TPContext, declare, make_param
+from ..tensor_parallel.async_comm import launch_reduce
+from .mlp import MLP
+from .router import Routing, route
+
+
+@dataclass
+class Routed:
+    """What ``hidden`` hands to the projection: the routing and each expert's activations."""
+
+    shape: torch.Size  # [b, s, h] of the full-sequence output
+    routing: Routing
+    assignments: list  # per expert: its kept assignments, as indices into the flattened [T, k] (token order)
+    tokens: list  # per expert: the tokens of those assignments
+    hidden: list  # per expert: fc1 + activation of those tokens [n_e, ffn / tp]
+    shared: torch.Tensor | None  # the shared experts' activations [b, s, shared ffn / tp]
+
+
+class MoEStats:
+    """Routing statistics of one layer over a training step, kept on the device (read when logging)."""
+
+    def __init__(self, num_experts: int, device):
+        self.values = torch.zeros(num_experts + 5, dtype=torch.float64, device=device)
+
+    def reset(self) -> None:
+        self.values.zero_()
+
+    def add(self, routing: Routing) -> None:
+        """[counts per expert..., dropped, assigned, aux loss, z-loss, groups]."""
+        experts, assigned = routing.counts.numel(), routing.experts.numel()
+        kept = routing.kept.sum().to(self.values.dtype)
+        row = torch.stack([assigned - kept, torch.full_like(kept, assigned), routing.aux_loss.detach().double(),
+                           routing.z_loss.detach().double(), torch.ones_like(kept)])
+        self.values[:experts] += routing.counts
+        self.values[experts:] += row
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on ``out`` (the gates: an output would be a view that the in-place all-reduce may not modify);
+    backward also seeds ``loss`` with the gradient ``weight``."""
+
+    @staticmethod
+    def forward(ctx, out, loss, weight: float):
+        ctx.weight = weight
+        ctx.save_for_backward(loss)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.full_like(loss, ctx.weight), None
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg, ctx: TPContext):
+        super().__init__()
+        self.ctx, self.num_experts, self.topk = ctx, cfg.num_experts, cfg.moe_topk
+        self.router_kind, self.capacity_factor = cfg.moe_router, cfg.moe_capacity_factor
+        self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
+        self.router = nn.Module()
+        declare(self.router, "weight", make_param((cfg.num_experts, cfg.hidden_size), ctx),
+                ParamInfo(None, "normal", cfg.init_std, sequence_parallel=ctx.sequence_parallel))
+        self.experts = nn.ModuleList(MLP(cfg, ctx, cfg.moe_ffn_size) for _ in range(cfg.num_experts))
+        for expert in self.experts:
+            if expert.fc2.bias is not None:  # gate-weighted per token: added as partials, gradient sums over TP
+                info = expert.fc2.param_info["bias"]
+                declare(expert.fc2, "bias", expert.fc2.bias, replace(info, sequence_parallel=True))
+        self.shared_experts = (MLP(cfg, ctx, cfg.moe_shared_experts * cfg.moe_ffn_size)
+                               if cfg.moe_shared_experts else None)
+        self.loss_scale_per_sample = 1.0
+        self.stats = MoEStats(cfg.num_experts, ctx.device)
+
+    def hidden(self, x: torch.Tensor) -> Routed:
+        """Route this rank's [b, s(/tp under SP), h] tokens and run every expert's first half on its tokens."""
+        group = self.ctx.group
+        enter = comm.gather_from_sp if self.ctx.sequence_parallel else comm.copy_to_tp
+        logits = enter(F.linear(x.float(), self.router.weight.float()), group)
+        tokens = enter(x, group)
+        shape = tokens.shape
+        tokens, logits = tokens.flatten(0, 1), logits.flatten(0, 1)
+        routing = route(logits, self.topk, self.router_kind, self.capacity_factor)
+        # one stable sort by expert puts every expert's kept assignments together, in token order
+        key = torch.where(routing.kept, routing.experts, self.num_experts).flatten()
+        order = key.argsort(stable=True)
+        sizes = torch.bincount(key, minlength=self.num_experts + 1).tolist()[:self.num_experts]
+        assignments = order[:sum(sizes)].split(sizes)
+        token_ids = [a // self.topk for a in assignments]
+        hidden = [expert.activate(F.linear(tokens[ids], expert.fc1.weight, expert.fc1.bias))
+                  for expert, ids in zip(self.experts, token_ids)]
+        shared = self.shared_experts.hidden(x) if self.shared_experts is not None else None
+        return Routed(shape, routing, list(assignments), token_ids, hidden, shared)
+
+    def _partial(self, routed: Routed) -> torch.Tensor:
+        """This rank's share of the layer output before the TP sum, [b, s, h], with the auxiliary losses attached."""
+        b, s, h = routed.shape
+        tp = comm.group_size(self.ctx.group)
+        routing, gates = routed.routing, routed.routing.gates
+        if torch.is_grad_enabled():  # training: evaluation neither counts nor differentiates
+            self.stats.add(routing)
+            if self.aux_coeff or self.z_coeff:
+                loss = self.aux_coeff * routing.aux_loss + self.z_coeff * routing.z_loss
+                gates = _AttachLoss.apply(gates, loss, self.loss_scale_per_sample * b / tp)
+        gates = gates.flatten()
+        out = routed.hidden[0].new_zeros(b * s, h)
+        for expert, assignments, ids, hidden in zip(self.experts, routed.assignments, routed.tokens, routed.hidden):
+            y = F.linear(hidden, expert.fc2.weight, None if expert.fc2.bias is None else expert.fc2.bias / tp)
+            out = out.index_add(0, ids, y * gates[assignments].unsqueeze(-1).to(y.dtype))
+        out = out.view(b, s, h)
+        if routed.shared is not None:
+            out = out + F.linear(routed.shared, self.shared_experts.fc2.weight)
+        return out
+
+    def _bias(self):
+        return self.shared_experts.fc2.bias if self.shared_experts is not None else None
+
+    def project(self, routed: Routed):
+        """The experts' fc2, combined, with the synchronous all-reduce (reduce-scatter under SP): (output, bias)."""
+        partial = self._partial(routed)
+        if self.ctx.sequence_parallel:
+            return comm.reduce_scatter_to_sp(partial, self.ctx.group), self._bias()
+        return comm.reduce_from_tp(partial, self.ctx.group), self._bias()
+
+    def launch(self, routed: Routed, pieces: int = 1):
+        """Domino: the same, its all-reduce left in flight in ``pieces`` column pieces."""
+        partial = self._partial(routed)
+        parts = partial.tensor_split(pieces, dim=-1) if pieces > 1 else [partial]
+        return launch_reduce(parts, self.ctx.group, count=len(parts),
+                             sequence_parallel=self.ctx.sequence_parallel), self._bias()

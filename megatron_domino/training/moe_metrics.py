@@ -1,0 +1,43 @@
+"""Routing metrics of a mixture-of-experts run at a logging step, from every MoE layer on every rank.
+
+Each layer keeps its step's counts on the device (``models.moe.MoEStats``); at a logging step every rank
+sums one [layers, experts + 5] table over the world (layers it does not hold are zero). TP replicas and
+DP ranks add to numerator and denominator alike, so the ratios below are those of the global batch.
+
+- ``moe_aux_loss``, ``moe_z_loss``: the raw losses (before their coefficients), mean over MoE layers and
+  routing groups (micro-batches, or Domino mu-chunks); a perfectly balanced router has aux loss 1;
+- ``moe_expert_share``: per MoE layer, each expert's share of the routed assignments (before drops);
+  its min and max over layers and experts;
+- ``moe_dropped_fraction``: assignments dropped by the capacity factor / all assignments.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.strict import to_host
+
+
+def moe_metrics(chunks, model_cfg, device) -> dict:
+    """A collective: every rank calls it at the same logging steps."""
+    experts = model_cfg.num_experts
+    table = torch.zeros(model_cfg.num_layers, experts + 5, dtype=torch.float64, device=device)
+    for chunk in chunks:
+        for layer_id, layer in chunk.moe_layers():
+            table[layer_id] = layer.stats.values
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(table)
+    table = to_host(table)[[i for i in range(model_cfg.num_layers) if model_cfg.is_moe_layer(i)]]
+    counts = table[:, :experts]
+    dropped, assigned, aux, z_loss, groups = table[:, experts:].unbind(dim=1)
+    share = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
+    return {"moe_aux_loss": (aux.sum() / groups.sum()).item(), "moe_z_loss": (z_loss.sum() / groups.sum()).item(),
+            "moe_expert_share_min": share.min().item(), "moe_expert_share_max": share.max().item(),
+            "moe_dropped_fraction": (dropped.sum() / assigned.sum()).item(), "moe_expert_share": share.tolist()}
+
+
+def format_moe(record: dict) -> str:
+    """The compact console part: 'moe aux 1.012 z 3.41 share 0.18-0.33 dropped 2.1%'."""
+    return (f"moe aux {record['moe_aux_loss']:.3f} z {record['moe_z_loss']:.3g} share "
+            f"{record['moe_expert_share_min']:.2f}-{record['moe_expert_share_max']:.2f} "
+            f"dropped {100 * record['moe_dropped_fraction']:.1f}%")

@@ -1,0 +1,74 @@
+"""A parallel run against its one-process reference: SGD steps through the engine, full weights, compared within TOL."""
+import torch
+
+from megatron_domino.models import LanguageModel, initialize_weights
+from megatron_domino.models.full_state import gather_full
+from megatron_domino.models.language_model import WORD_EMBEDDINGS
+from megatron_domino.optim.distributed_optimizer import DistributedOptimizer
+from megatron_domino.parallel import Topology, state as parallel_state
+from megatron_domino.pipeline.engine import PipelineEngine
+from megatron_domino.pipeline.finalize_grads import finalize_grads
+from megatron_domino.pipeline.stages import build_stage_chunks
+
+TOL = 1e-5
+
+
+def full_weights(chunks, tp_group) -> dict[str, torch.Tensor]:
+    """This rank's chunks' parameters by global name, at full (TP-gathered, padded) size."""
+    weights = {}
+    for chunk in chunks:
+        table = chunk.sharding()
+        for name, p in chunk.named_global_parameters():
+            weights[name] = gather_full(p.detach(), table[name], tp_group)
+    return weights
+
+
+def assert_same_run(where, losses, weights, ref_losses, ref_weights, tol=TOL) -> None:
+    """Every step's loss and every weight (vocabulary padding cut) within ``tol`` relative of the reference."""
+    for step, (got, want) in enumerate(zip(losses, ref_losses)):
+        assert abs(got - want) <= tol * abs(want), (where, step, got, want)
+    for name, weight in weights.items():
+        expected = ref_weights[name][:weight.shape[0]]
+        err = ((weight - expected).abs().max() / expected.abs().max()).item()
+        assert err <= tol, f"{where} {name}: {err:.2e}"
+
+
+def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, check_engine=None):
+    """SGD steps of ``cfg``'s layout through the pipeline engine, ZeRO buffers and finalize_grads, as the trainer
+    runs them: ``steps_of_microbatches(state)`` yields this rank's micro-batches per step. Returns the losses and
+    the full weights; the layout's groups are destroyed afterwards."""
+    ps = parallel_state.initialize(Topology.from_config(cfg.parallel, world_size), print_rank_map=False)
+    chunks = build_stage_chunks(cfg, ps, init_seed=3)
+    optimizer = DistributedOptimizer(chunks, optimizer_config, dp_group=ps.dp_cp_group, tp_rank=ps.tp_rank,
+                                     norm_groups=[ps.tp_group, ps.pp_group], bucket_alone=(WORD_EMBEDDINGS,))
+    engine, losses = None, []
+    for micro in steps_of_microbatches(ps):
+        if engine is None:
+            engine = PipelineEngine(chunks, ps, cfg, device=torch.device("cpu"), dtype=torch.float32,
+                                    num_microbatches=len(micro), on_backward=optimizer.set_last_microbatch)
+            if check_engine is not None:
+                check_engine(engine)
+        optimizer.zero_grad()
+        losses.append(engine.forward_backward(micro).item())
+        finalize_grads(chunks, ps, optimizer)
+        optimizer.step(lr)
+    weights = full_weights(chunks, ps.tp_group)
+    parallel_state.destroy()
+    return losses, weights
+
+
+def reference_steps(model_config, batches, lr):
+    """One process, the whole batch, plain SGD over ``batches`` (dicts with a loss_mask): the loss of every step
+    and the final weights."""
+    dense = LanguageModel(model_config)
+    initialize_weights(dense, seed=3)
+    losses = []
+    for batch in batches:
+        dense.zero_grad(set_to_none=True)
+        loss = (dense(None, batch) * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+        loss.backward()
+        with torch.no_grad():
+            for p in dense.parameters():
+                p -= lr * p.grad
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in dense.named_global_parameters()}

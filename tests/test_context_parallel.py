@@ -1,0 +1,100 @@
+"""Context parallelism trains like one process: 6 steps (fp32) at cp 2 and cp 4, for GPT and Llama, with and
+without packed-document masks and position resets, and composed with TP + Domino, PP and ZeRO-2 over dp × cp.
+
+The reference is one process over the whole batch and the whole sequence: the same samples
+(``data.sample.make_sample`` with the same EOD flags), plain attention within documents, plain SGD.
+Each CP rank gets its two chunks through ``split_for_context_parallel``, the trainer's own function, and
+the pipeline engine runs under NCCL's p2p rules (the strict transport).
+"""
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from megatron_domino.config import ConfigError, validate_config
+from megatron_domino.config.schema import Config, OptimizerConfig
+from megatron_domino.data.loader import collate
+from megatron_domino.data.sample import make_sample
+from megatron_domino.models.ring_attention import split_for_context_parallel
+from tests.harness import run_ranks
+from tests.parity import assert_same_run, reference_steps, train_steps
+from tests.test_pipeline import GLOBAL_BATCH, GPT, LLAMA, MICRO_BATCH
+
+STEPS, LR, EOD = 6, 0.5, 0
+LLAMA_16 = replace(LLAMA, seq_length=16)
+DOCUMENTS = {"reset_position_ids": True, "reset_attention_mask": True}
+
+
+def _samples(model, documents: bool):
+    """Per step, the global batch's samples; with ``documents``, EODs at random places (documents that cross
+    CP chunks, one-token documents) and the document flags."""
+    g = np.random.default_rng(5)
+    steps = []
+    for _ in range(STEPS):
+        tokens = g.integers(1, model.vocab_size, (GLOBAL_BATCH, model.seq_length + 1))
+        if documents:
+            tokens[g.random(tokens.shape) < 0.15] = EOD
+        steps.append([make_sample(row, EOD, **(DOCUMENTS if documents else {})) for row in tokens])
+    return steps
+
+
+def _reference(model, documents):
+    return reference_steps(model, (collate(samples) for samples in _samples(model, documents)), LR)
+
+
+def _train(world_size, cfg, documents):
+    def steps(ps):
+        per_rank = GLOBAL_BATCH // ps.dp_size
+        for samples in _samples(cfg.model, documents):
+            mine = samples[ps.dp_rank * per_rank:(ps.dp_rank + 1) * per_rank]
+            yield [split_for_context_parallel(collate(mine[i:i + MICRO_BATCH]), ps.cp_size, ps.cp_rank)
+                   for i in range(0, per_rank, MICRO_BATCH)]
+    return train_steps(world_size, cfg, cfg.optimizer, steps, LR)
+
+
+def _check(rank, world_size, layouts):
+    for cfg, documents in layouts:
+        ref_losses, ref_weights = _reference(cfg.model, documents)
+        losses, weights = _train(world_size, cfg, documents)
+        where = (cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp, cfg.parallel.dp, documents)
+        assert_same_run(where, losses, weights, ref_losses, ref_weights)
+
+
+def _layout(model, *, cp, tp=1, pp=1, dp=1, virtual_pp=1, zero_stage=1, domino=False, sequence_parallel=False,
+            documents=False):
+    cfg = Config(model=model)
+    par = cfg.parallel
+    par.tp, par.cp, par.pp, par.dp, par.virtual_pp = tp, cp, pp, dp, virtual_pp
+    par.domino, par.sequence_parallel, par.strict_transport = domino, sequence_parallel, True
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = MICRO_BATCH, GLOBAL_BATCH
+    cfg.optimizer = OptimizerConfig(name="sgd", lr=LR, momentum=0.0, weight_decay=0.0, clip_grad=0.0,
+                                    bucket_size_mb=0.01, zero_stage=zero_stage)
+    cfg.data.mock, cfg.data.reset_position_ids, cfg.data.reset_attention_mask = True, documents, documents
+    validate_config(cfg, world_size=tp * cp * pp * dp, check_paths=False)
+    return cfg, documents
+
+
+def test_cp2_and_cp4_train_like_one_process():
+    """One spawn of 4 ranks: cp 4 (GPT; Llama with documents), cp 2 x dp 2 with ZeRO-2 and documents (GPT),
+    cp 2 x pp 2 interleaved with full recompute (Llama)."""
+    run_ranks(_check, 4, [_layout(GPT, cp=4), _layout(LLAMA_16, cp=4, documents=True),
+                          _layout(GPT, cp=2, dp=2, zero_stage=2, documents=True),
+                          _layout(replace(LLAMA_16, recompute="full"), cp=2, pp=2, virtual_pp=2)], timeout=300)
+
+
+def test_cp2_composes_with_domino_tp_and_pipeline():
+    """One spawn of 8 ranks: tp 2 x cp 2 x pp 2 with Domino and documents (Llama, sequence parallel; GPT)."""
+    run_ranks(_check, 8, [_layout(LLAMA_16, cp=2, tp=2, pp=2, domino=True, sequence_parallel=True, documents=True),
+                          _layout(GPT, cp=2, tp=2, pp=2, domino=True, documents=True)], timeout=300)
+
+
+@pytest.mark.parametrize("override, key", [
+    (dict(seq_length=18), "model.seq_length"),
+    (dict(attention_backend="math"), "model.attention_backend"),
+    (dict(attention_dropout=0.1), "model.attention_dropout"),
+])
+def test_unsupported_context_parallel_input_is_refused(override, key):
+    cfg = Config(model=replace(GPT, **override))
+    cfg.parallel.cp, cfg.data.mock = 2, True
+    with pytest.raises(ConfigError, match=key):
+        validate_config(cfg, world_size=2, check_paths=False)
