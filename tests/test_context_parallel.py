@@ -22,6 +22,10 @@ from tests.test_pipeline import GLOBAL_BATCH, GPT, LLAMA, MICRO_BATCH
 
 STEPS, LR, EOD = 6, 0.5, 0
 LLAMA_16 = replace(LLAMA, seq_length=16)
+# Dropless experts route token by token, so a CP rank's tokens route as in one process. The auxiliary losses
+# are per routing group (a CP rank's part of a micro-batch) and weighted by the engine, which the reference
+# does not run: off here (tests/test_moe.py covers them).
+MIXTURE = replace(LLAMA_16, num_experts=4, moe_topk=2, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)
 DOCUMENTS = {"reset_position_ids": True, "reset_attention_mask": True}
 
 
@@ -76,10 +80,11 @@ def _layout(model, *, cp, tp=1, pp=1, dp=1, virtual_pp=1, zero_stage=1, domino=F
 
 def test_cp2_and_cp4_train_like_one_process():
     """One spawn of 4 ranks: cp 4 (GPT; Llama with documents), cp 2 x dp 2 with ZeRO-2 and documents (GPT),
-    cp 2 x pp 2 interleaved with full recompute (Llama)."""
+    cp 2 x pp 2 interleaved with full recompute (Llama), and cp 2 x dp 2 with a mixture of experts."""
     run_ranks(_check, 4, [_layout(GPT, cp=4), _layout(LLAMA_16, cp=4, documents=True),
                           _layout(GPT, cp=2, dp=2, zero_stage=2, documents=True),
-                          _layout(replace(LLAMA_16, recompute="full"), cp=2, pp=2, virtual_pp=2)], timeout=300)
+                          _layout(replace(LLAMA_16, recompute="full"), cp=2, pp=2, virtual_pp=2),
+                          _layout(MIXTURE, cp=2, dp=2, documents=True)], timeout=300)
 
 
 def test_cp2_composes_with_domino_tp_and_pipeline():
