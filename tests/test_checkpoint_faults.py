@@ -259,3 +259,27 @@ def test_a_write_that_fails_is_a_checkpoint_error_naming_the_folder(tmp_path):
     with pytest.raises(CheckpointError, match=rf"writing the checkpoint into {blocked} failed \(rank 0: "
                                               r"FileExistsError: .*File exists.*\); nothing was published"):
         tensors.write(str(blocked), {"model/w": tensors.Stored((2,), torch.float32, [piece])})
+
+
+def _one_rank_asks_for_a_missing_tensor(rank, world_size, step_dir):
+    import torch.distributed as dist
+    group = dist.new_group(backend="gloo")
+    tensors.write(step_dir, {"model/w": tensors.Stored((4,), torch.float32,
+                                                       [tensors.Piece((2 * rank,), (2,), torch.full((2,), rank))])},
+                  group=group)
+    wanted = {"model/w": [tensors.Piece((0,), (4,), torch.empty(4))]}
+    if rank == 1:  # only this rank's slice names a tensor the checkpoint does not hold
+        wanted["model/missing"] = [tensors.Piece((0,), (1,), torch.empty(1))]
+    try:
+        tensors.read(step_dir, wanted, group=group)
+    except CheckpointError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_a_tensor_missing_on_one_rank_stops_every_rank_at_once(tmp_path):
+    """Rank 1 alone finds a tensor missing; rank 0 must not wait for it in DCP's collectives until the timeout."""
+    from tests.harness import run_ranks
+    errors = run_ranks(_one_rank_asks_for_a_missing_tensor, 2, str(tmp_path / "step"), timeout=60)
+    for error in errors:
+        assert "rank 1: " in error and "has no tensor 'model/missing'" in error, errors

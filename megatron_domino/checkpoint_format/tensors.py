@@ -214,7 +214,8 @@ def read(step_dir: str, wanted: dict[str, list[Piece]], group=None, reader: Safe
          alone: bool = False) -> None:
     """Fill every piece of ``wanted`` from ``step_dir``, reading only the stored rectangles that overlap it
     (collective over ``group``, unless this process reads ``alone``). The index and shard files are checked
-    first; a problem is a CheckpointError naming the file."""
+    first; a problem is a CheckpointError naming the file, raised on every rank of the group alike (a rank
+    whose own slice is missing would otherwise leave the others waiting in DCP's collectives)."""
     reader = reader or SafeReader(step_dir)
     metadata = reader.read_metadata()
     problems = damaged_shards(step_dir, metadata)
@@ -229,6 +230,9 @@ def read(step_dir: str, wanted: dict[str, list[Piece]], group=None, reader: Safe
                 problems.append(f"{fqn}: stored shape {shape} does not hold the rectangle at {piece.offsets} of "
                                 f"size {piece.sizes}")
                 break
+    with _process_mode(alone) as no_dist:
+        if not no_dist:
+            problems = _problems_of_every_rank(problems, group)
     if problems:
         raise CheckpointError("checkpoint cannot be read: " + "; ".join(problems[:5])
                               + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
@@ -237,6 +241,14 @@ def read(step_dir: str, wanted: dict[str, list[Piece]], group=None, reader: Safe
             dcp.load(wanted, storage_reader=reader, planner=_PieceLoadPlanner(), process_group=group, no_dist=no_dist)
     except dcp.api.CheckpointException as problem:
         raise CheckpointError(f"checkpoint {step_dir} could not be read: {_first_failure(problem)}") from problem
+
+
+def _problems_of_every_rank(problems: list[str], group) -> list[str]:
+    """The group's problems, each rank's named, so that all ranks stop together or none does."""
+    gathered = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(gathered, problems, group=group)
+    ranks = torch.distributed.get_process_group_ranks(group) if group is not None else range(len(gathered))
+    return [f"rank {rank}: {problem}" for rank, found in zip(ranks, gathered) for problem in found]
 
 
 def _first_failure(problem) -> str:
