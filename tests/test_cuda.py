@@ -122,3 +122,17 @@ def test_ring_attention_kernels_on_cuda_equal_dense_attention(dtype, tolerance):
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
     for got_grad, want_grad in zip(torch.autograd.grad(got, leaves, grad), want_grads):
         torch.testing.assert_close(got_grad, want_grad, rtol=tolerance, atol=tolerance)
+
+
+def test_straggler_measure_counts_compute_kernels_only():
+    """On CUDA the straggler report sums kernel time from the profiler; NCCL's kernels are left out."""
+    from torch.profiler import ProfilerActivity, profile
+    from megatron_domino.training.straggler import compute_kernel_seconds
+    x = torch.randn(2048, 2048, device="cuda")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as kernels:
+        for _ in range(10):
+            x = (x @ x).tanh()
+        torch.cuda.synchronize()
+    measured = compute_kernel_seconds(kernels.events())
+    assert 0 < measured and any(e.name for e in kernels.events())

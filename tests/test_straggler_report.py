@@ -40,3 +40,20 @@ def test_the_report_names_the_rank_that_computes_longest(tmp_path):
         assert (slowest["rank"], slowest["tp"], slowest["pp"], slowest["dp"]) == (SLOW_RANK, 0, 1, 1), report
         # CPU time, not wall time: the 8 ranks share 2 cores, so the spin gets part of its wall time
         assert slowest["ratio_to_median"] > 1.5 and slowest["compute_ms"] >= 1000 * EXTRA_S / 2, report
+
+
+def test_the_cuda_measure_leaves_out_nccl_kernels():
+    """The profiler's events stood in: kernels count, NCCL kernels and host-side events do not."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from megatron_domino.training.straggler import compute_kernel_seconds
+
+    def event(name, device, microseconds):
+        return SimpleNamespace(name=name, device_type=device,
+                               time_range=SimpleNamespace(elapsed_us=lambda: microseconds))
+    events = [event("ampere_sgemm_128x64_nn", DeviceType.CUDA, 300), event("flash_fwd_kernel", DeviceType.CUDA, 200),
+              event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", DeviceType.CUDA, 5000),
+              event("aten::mm", DeviceType.CPU, 900)]
+    assert compute_kernel_seconds(events) == 500e-6
