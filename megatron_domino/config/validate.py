@@ -14,6 +14,7 @@ from typing import Any
 from .data_path import parse_data_path
 from .errors import ConfigError, Problem
 from .loader import config_from_dict, config_to_dict
+from .validate_context_parallel import check_context_parallel
 from .validate_moe import check_moe
 from .schema import (
     ACTIVATIONS,
@@ -212,7 +213,7 @@ def _check_parallel(c: _Checks, cfg: Config, world_size: int | None) -> int | No
     if not ok:
         return None
     if p.cp > 1:
-        _check_context_parallel(c, cfg)
+        check_context_parallel(c, cfg)
     dp, model = p.dp, p.tp * p.cp * p.pp
     if world_size is not None:
         if dp is None and world_size % model:
@@ -240,23 +241,6 @@ def _check_parallel(c: _Checks, cfg: Config, world_size: int | None) -> int | No
                   "parallel.tp * parallel.cp (sequence parallel shards each rank's part of the sequence over tp)",
                   "make the sequence length a multiple of tp * cp or turn parallel.sequence_parallel off")
     return dp
-
-
-def _check_context_parallel(c: _Checks, cfg: Config) -> None:
-    """Ring attention's limits: two equal chunks per CP rank, flash-style kernels, no attention dropout."""
-    p, m = cfg.parallel, cfg.model
-    if m.seq_length >= 1:
-        c.divides("model.seq_length", m.seq_length, 2 * p.cp,
-                  f"2 * parallel.cp = {2 * p.cp} (each CP rank holds two equal chunks, for causal load balance)",
-                  f"use a sequence length that is a multiple of {2 * p.cp}, or another parallel.cp")
-    if m.attention_backend not in ("auto", "flash"):
-        c.fail("model.attention_backend", m.attention_backend,
-               "ring attention (parallel.cp > 1) runs the flash-style kernels that return the log-sum-exp",
-               "use model.attention_backend=auto or flash, or parallel.cp=1")
-    if m.attention_dropout > 0:
-        c.fail("model.attention_dropout", m.attention_dropout,
-               "ring attention (parallel.cp > 1) has no attention dropout",
-               "set model.attention_dropout=0 (Llama and most long-context recipes use 0), or parallel.cp=1")
 
 
 def _check_train(c: _Checks, cfg: Config, dp: int | None) -> None:
