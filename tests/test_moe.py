@@ -1,7 +1,7 @@
 """The mixture-of-experts layer against references written here: the router's losses against their closed
 forms, capacity drops against a token-by-token queue, the layer against loops over tokens and experts (output
-and every gradient, auxiliary losses included), and TP (Domino, sequence parallel) and PP training against one
-process (fp32)."""
+and every gradient, auxiliary losses included), TP (Domino, sequence parallel) and PP training against one
+process (fp32), and an MoE checkpoint resharded from tp 2 to tp 1."""
 import math
 from dataclasses import replace
 
@@ -210,18 +210,43 @@ LAYOUTS = [(_config(replace(GPT_MOE, recompute="full"), 2, 1, domino=True), 1),
            (_config(LLAMA_MOE, 1, 2, schedule="zb-h1"), MICRO_BATCH)]
 
 
-def _check(rank, world_size):
+def _check(rank, world_size, checkpoint_dir):
     for cfg, group_size in LAYOUTS:
         ref_losses, ref_weights = _reference(cfg.model, group_size)
         losses, weights = train_steps(world_size, cfg, OPT, _microbatches(cfg.model), LR)
         assert_same_run((cfg.parallel.tp, cfg.parallel.pp), losses, weights, ref_losses, ref_weights)
+    _check_checkpoint_reshards(rank, checkpoint_dir)
 
 
-def test_tp_domino_sequence_parallel_and_pipeline_train_like_one_process():
+def _check_checkpoint_reshards(rank, step_dir):
+    """An MoE model saved at tp 2 (experts split like the MLP, router replicated) loads at tp 1 into the same
+    weights, read from layout-free names by one process."""
+    import torch.distributed as dist
+    from megatron_domino.checkpoint_format import tensors
+    from megatron_domino.training.checkpoint import model_state, model_targets
+    group = dist.new_group([0, 1])
+    for cfg in (GPT_MOE, LLAMA_MOE):
+        sharded = LanguageModel(cfg, TPContext(group))
+        initialize_weights(sharded, 5, rank, 2)
+        path = f"{step_dir}/{cfg.moe_router}"
+        tensors.write(path, model_state([sharded], rank), group=group)
+        dist.barrier(group)
+        if rank == 0:
+            whole, expected = LanguageModel(cfg), LanguageModel(cfg)
+            initialize_weights(expected, 5)
+            tensors.read(path, model_targets([whole], 0), alone=True)
+            names = dict(whole.named_global_parameters())
+            assert any(".mlp.experts.3.fc2." in n for n in names) and any(".mlp.router." in n for n in names)
+            for name, param in expected.named_global_parameters():
+                assert torch.equal(names[name], param), name
+        dist.barrier(group)
+
+
+def test_tp_domino_sequence_parallel_and_pipeline_train_like_one_process(tmp_path):
     """One spawn of 2 ranks: tp 2 with Domino's row split and full recompute; tp 2 with SP and the column
     split (sigmoid router, shared expert, capacity drops); pp 2 (1F1B, and ZB-H1's split backward). Auxiliary
-    and z-losses on, 3 SGD steps."""
-    run_ranks(_check, 2, timeout=300)
+    and z-losses on, 3 SGD steps. Then an MoE checkpoint saved at tp 2 loads at tp 1."""
+    run_ranks(_check, 2, str(tmp_path), timeout=300)
 
 
 # ---------------------------------------------------------------- the tiny Mixtral, end to end
