@@ -22,7 +22,6 @@ is kept. The reduction is a SUM over DP: the trainer already divides the loss by
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..config.errors import ConfigError
 from ..config.schema import ZERO_STAGES, OptimizerConfig
@@ -52,7 +51,7 @@ class DistributedOptimizer:
         self.norm_groups = [group for group in norm_groups if group is not None]
         dp = comm.group_size(dp_group)
         self.zero_stage = opt.zero_stage if dp > 1 else 0  # one DP rank: a shard is the whole
-        self.dp_rank = dist.get_rank(dp_group) if dp > 1 else 0
+        self.dp_rank = comm.group_rank(dp_group)
         self.fp16, self.scaler = fp16, loss_scaler_from_config(opt, fp16)
         self.names = {id(p): name for chunk in model_chunks for name, p in chunk.named_global_parameters()}
         self.infos = {id(p): table[name] for chunk, table in ((c, c.sharding()) for c in model_chunks)

@@ -15,6 +15,11 @@ def group_size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
+def group_rank(group) -> int:
+    """This process's rank in ``group``; 0 without one (a group of one, or no torch.distributed)."""
+    return dist.get_rank(group) if group_size(group) > 1 else 0
+
+
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) > 1:
         x = x.contiguous()
@@ -69,9 +74,7 @@ def reduce_scatter_sequence_async(x: torch.Tensor, group):
                          f"(sequence parallelism). Fix: make model.seq_length a multiple of parallel.tp.")
     stacked = torch.cat(x.chunk(size, dim=SEQUENCE_DIM), dim=0)
     if size == 1:
-        rows = x.shape[0]
-        rank = dist.get_rank(group) if size > 1 else 0
-        return stacked[rank * rows:(rank + 1) * rows], None, None
+        return stacked, None, None
     out = torch.empty((x.shape[0],) + tuple(stacked.shape[1:]), dtype=x.dtype, device=x.device)
     return out, reduce_scatter_flat(out, stacked, group=group, async_op=True), stacked
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ..parallel import comm
 
@@ -34,7 +33,7 @@ class TPContext:
 
     @property
     def rank(self) -> int:
-        return dist.get_rank(self.group) if self.size > 1 else 0
+        return comm.group_rank(self.group)
 
     @property
     def cp_size(self) -> int:
@@ -43,4 +42,4 @@ class TPContext:
     @property
     def cp_rank(self) -> int:
         """Rank in the ring, which is the cp coordinate (ring members are created in cp order)."""
-        return dist.get_rank(self.cp_group) if self.cp_size > 1 else 0
+        return comm.group_rank(self.cp_group)

@@ -18,7 +18,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_size, group):
         tp = comm.group_size(group)
-        tp_rank = dist.get_rank(group) if tp > 1 else 0
+        tp_rank = comm.group_rank(group)
         start, end = vocab_range(logits.shape[-1] * tp, tp_rank, tp)
         logits = logits.float()
         if end > vocab_size:  # this rank holds padding columns (known without looking at the device)
