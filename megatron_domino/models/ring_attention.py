@@ -81,9 +81,26 @@ class _Piece:
     keys: slice
     causal: bool
 
+    @property
+    def at_queries(self) -> tuple:
+        """Index of the piece's queries in a [b, heads, s/cp, d] tensor."""
+        return self.rows, slice(None), self.queries
 
-def _pieces(ring: Ring, source: int, chunk: int, doc_offsets) -> list[_Piece]:
-    """The kernel calls between this rank's queries and the K/V block of CP rank ``source``."""
+    @property
+    def at_keys(self) -> tuple:
+        return self.rows, slice(None), self.keys
+
+
+def _schedule(ring: Ring, chunk: int, doc_offsets) -> list[list[_Piece]]:
+    """Per ring step, the kernel calls between this rank's queries and the K/V block it holds then (the backward
+    replays the forward's schedule)."""
+    spans = None if doc_offsets is None else [document_spans(row) for row in doc_offsets.tolist()]
+    return [_pieces(ring, (ring.rank - step) % ring.size, chunk, spans) for step in range(ring.size)]
+
+
+def _pieces(ring: Ring, source: int, chunk: int, spans) -> list[_Piece]:
+    """The kernel calls between this rank's queries and the K/V block of CP rank ``source``; ``spans``: each
+    sample's documents as [(start, end)], or None."""
     pieces = []
     query_chunks = zip((0, chunk), (ring.rank, 2 * ring.size - 1 - ring.rank))
     for q_local, q_index in query_chunks:
@@ -91,13 +108,13 @@ def _pieces(ring: Ring, source: int, chunk: int, doc_offsets) -> list[_Piece]:
             if k_index > q_index:
                 continue
             causal = k_index == q_index
-            if doc_offsets is None:
+            if spans is None:
                 pieces.append(_Piece(slice(None), slice(q_local, q_local + chunk), slice(k_local, k_local + chunk),
                                      causal))
                 continue
             q_start, k_start = q_index * chunk, k_index * chunk
-            for row, offsets in enumerate(doc_offsets.tolist()):
-                for start, end in document_spans(offsets):
+            for row, documents in enumerate(spans):
+                for start, end in documents:
                     q_lo, q_hi = max(start, q_start), min(end, q_start + chunk)
                     k_lo, k_hi = max(start, k_start), min(end, k_start + chunk)
                     if q_lo < q_hi and k_lo < k_hi:
@@ -141,12 +158,12 @@ class _RingAttention(torch.autograd.Function):
         acc = accumulation_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-        block = torch.stack([k, v])
-        for step in range(ring.size):
+        block, schedule = torch.stack([k, v]), _schedule(ring, chunk, doc_offsets)
+        for step, pieces in enumerate(schedule):
             incoming = _shift(block, ring) if step < ring.size - 1 else None
             keys, values = _expand(block[0], per_group), _expand(block[1], per_group)
-            for piece in _pieces(ring, (ring.rank - step) % ring.size, chunk, doc_offsets):
-                at_q, at_k = (piece.rows, slice(None), piece.queries), (piece.rows, slice(None), piece.keys)
+            for piece in pieces:
+                at_q, at_k = piece.at_queries, piece.at_keys
                 part, part_lse = attention_forward(q[at_q], keys[at_k], values[at_k], piece.causal)
                 merged = torch.logaddexp(lse[at_q], part_lse)
                 out[at_q] = (out[at_q] * torch.exp(lse[at_q] - merged).unsqueeze(-1)
@@ -157,25 +174,24 @@ class _RingAttention(torch.autograd.Function):
                 block = incoming[0]
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.doc_offsets = ring, doc_offsets
+        ctx.ring, ctx.schedule = ring, schedule
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, doc_offsets = ctx.ring, ctx.doc_offsets
-        chunk, per_group = q.shape[2] // 2, q.shape[1] // k.shape[1]
+        ring, per_group = ctx.ring, q.shape[1] // k.shape[1]
         grad_out = grad_out.contiguous()
         acc = accumulation_dtype(q.dtype)
         grad_q = torch.zeros(q.shape, dtype=acc, device=q.device)
         block = torch.stack([k, v])
         travelling = None  # the held block's gradient from the ranks before: (buffer, pending works)
-        for step in range(ring.size):
+        for step, pieces in enumerate(ctx.schedule):
             incoming = _shift(block, ring) if step < ring.size - 1 else None
             keys, values = _expand(block[0], per_group), _expand(block[1], per_group)
             grad_block = torch.zeros(block.shape, dtype=acc, device=q.device)
-            for piece in _pieces(ring, (ring.rank - step) % ring.size, chunk, doc_offsets):
-                at_q, at_k = (piece.rows, slice(None), piece.queries), (piece.rows, slice(None), piece.keys)
+            for piece in pieces:
+                at_q, at_k = piece.at_queries, piece.at_keys
                 dq, dk, dv = attention_backward(grad_out[at_q], q[at_q], keys[at_k], values[at_k], out[at_q],
                                                 lse[at_q], piece.causal)
                 grad_q[at_q] += dq.to(acc)
