@@ -91,6 +91,22 @@ def get_data_parallel_group(with_context_parallel: bool = False):
     return state.dp_cp_group if with_context_parallel else state.dp_group
 
 
+def get_expert_model_parallel_group():
+    return _state.get().ep_group
+
+
+def get_expert_model_parallel_rank() -> int:
+    return _state.get().ep_rank
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return _state.get().ep_size
+
+
+def get_expert_data_parallel_group():
+    return _state.get().expert_dp_group
+
+
 def get_data_parallel_rank() -> int:
     return _state.get().dp_rank
 

@@ -1,6 +1,7 @@
 """A parallel run against its one-process reference: SGD steps through the engine, full weights, compared within TOL."""
 import torch
 
+from megatron_domino.config import Config
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.models.full_state import gather_full
 from megatron_domino.models.language_model import WORD_EMBEDDINGS
@@ -11,6 +12,20 @@ from megatron_domino.pipeline.finalize_grads import finalize_grads
 from megatron_domino.pipeline.stages import build_stage_chunks
 
 TOL = 1e-5
+
+
+def layout_config(model, micro_batch: int, global_batch: int, optimizer=None, **parallel) -> Config:
+    """A Config of ``model`` with each keyword as ``parallel.<name>`` (e.g. tp=2, domino=True), the batch sizes and,
+    when given, the optimizer."""
+    cfg = Config(model=model)
+    for name, value in parallel.items():
+        if not hasattr(cfg.parallel, name):
+            raise AttributeError(f"parallel.{name} does not exist")
+        setattr(cfg.parallel, name, value)
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = micro_batch, global_batch
+    if optimizer is not None:
+        cfg.optimizer = optimizer
+    return cfg
 
 
 def full_weights(chunks, tp_group) -> dict[str, torch.Tensor]:
@@ -33,14 +48,16 @@ def assert_same_run(where, losses, weights, ref_losses, ref_weights, tol=TOL) ->
         assert err <= tol, f"{where} {name}: {err:.2e}"
 
 
-def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, check_engine=None):
+def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, check_engine=None, norms=None):
     """SGD steps of ``cfg``'s layout through the pipeline engine, ZeRO buffers and finalize_grads, as the trainer
     runs them: ``steps_of_microbatches(state)`` yields this rank's micro-batches per step. Returns the losses and
-    the full weights; the layout's groups are destroyed afterwards."""
+    the full weights (and appends each step's gradient norm to ``norms``); the layout's groups are destroyed
+    afterwards."""
     ps = parallel_state.initialize(Topology.from_config(cfg.parallel, world_size), print_rank_map=False)
     chunks = build_stage_chunks(cfg, ps, init_seed=3)
     optimizer = DistributedOptimizer(chunks, optimizer_config, dp_group=ps.dp_cp_group, tp_rank=ps.tp_rank,
-                                     norm_groups=[ps.tp_group, ps.pp_group], bucket_alone=(WORD_EMBEDDINGS,))
+                                     norm_groups=[ps.tp_group, ps.pp_group], bucket_alone=(WORD_EMBEDDINGS,),
+                                     expert_dp_group=ps.expert_dp_group, ep_group=ps.ep_group)
     engine, losses = None, []
     for micro in steps_of_microbatches(ps):
         if engine is None:
@@ -51,7 +68,9 @@ def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, ch
         optimizer.zero_grad()
         losses.append(engine.forward_backward(micro).item())
         finalize_grads(chunks, ps, optimizer)
-        optimizer.step(lr)
+        _, norm = optimizer.step(lr)
+        if norms is not None:
+            norms.append(norm.item())
     weights = full_weights(chunks, ps.tp_group)
     parallel_state.destroy()
     return losses, weights

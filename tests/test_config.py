@@ -255,7 +255,7 @@ INVALID = [  # (overrides, world size, offending key)
     (["model.num_experts=4", "model.moe_router=softmx"], 1, "model.moe_router"),
     (["model.num_experts=4", "parallel.ep=3"], 3, "parallel.ep"),         # divides dp 3, not 4 experts
     (["model.num_experts=6", "parallel.ep=3"], 2, "parallel.ep"),         # divides 6 experts, not dp 2
-    (["model.num_experts=4", "parallel.ep=2", "parallel.dp=2"], 2, "parallel.ep"),  # valid, but not built yet
+    (["model.num_experts=4", "parallel.ep=4", "parallel.dp=2"], 2, "parallel.ep"),  # more expert ranks than dp
     (["parallel.ep=2"], 2, "parallel.ep"),                                 # a dense model has no experts
     (["model.num_experts=4", "log.sync_debug=true"], 1, "log.sync_debug"),  # routing reads counts on the host
 ]

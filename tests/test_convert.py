@@ -273,6 +273,13 @@ def test_mixtral_experts_land_in_order_and_its_config_maps_both_ways(hf_models, 
             back["router_aux_loss_coef"], back["sliding_window"]) == (4, 2, 48, 0.02, None)
     with pytest.raises(ValueError, match="moe_router=sigmoid"):
         hf_config_from_model(replace(cfg, moe_router="sigmoid"), "float32")
+    # at ep 2 the same layout-free tensors, and a config that runs on ep data-parallel ranks; ep 3 is refused
+    hf_to_native(hf_dir, str(tmp_path / "ep2"), ep=2, quiet=True)
+    at_ep2 = _native_tensors(str(tmp_path / "ep2"))
+    assert at_ep2.keys() == native.keys() and all(torch.equal(at_ep2[n], native[n]) for n in native)
+    assert load_config(str(tmp_path / "ep2" / "config.yaml")).parallel.ep == 2
+    with pytest.raises(ConfigError, match="parallel.ep = 3: must divide model.num_experts = 4"):
+        hf_to_native(hf_dir, str(tmp_path / "ep3"), ep=3, quiet=True)
 
 
 def test_mixtral_sliding_window_shorter_than_the_sequence_is_refused(tmp_path):

@@ -85,6 +85,17 @@ def test_context_parallel_rings_and_gradient_groups(no_collectives):
         ring_first, 16, gpus_per_node=4, gpu="cpu")
 
 
+def test_expert_parallel_groups(no_collectives):
+    """The tiny Mixtral at tp 2 x dp 4 x ep 2 on two 4-GPU nodes: rank = tp + 2 * dp; ep pairs neighbouring dp ranks."""
+    cfg = load_config(os.path.join(ROOT, "configs/tiny/mixtral.yaml"), ["parallel.tp=2", "parallel.ep=2"])
+    text = dry_run(cfg, 8, gpus_per_node=4, gpu="cpu")
+    assert "world 8 = tp 2 x cp 1 x pp 1 x dp 4 (order tp-cp-dp-pp, innermost first; virtual pp 1; ep 2 of dp)" in text
+    assert "expert parallel (token all-to-all): 4 groups of 2, each inside one node; first [0, 2]" in text
+    assert "expert gradients and ZeRO (expert replicas): 4 groups of 2, spanning nodes; first [0, 4]" in text
+    assert "expert parallel" not in dry_run(load_config(os.path.join(ROOT, "configs/tiny/mixtral.yaml")), 8,
+                                            gpus_per_node=4, gpu="cpu")
+
+
 def test_invalid_layout_fails_with_the_key_and_a_fix(capsys):
     cfg = load_config(os.path.join(ROOT, "configs/tiny/gpt.yaml"), ["parallel.tp=4"])
     with pytest.raises(ConfigError) as error:

@@ -9,17 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_domino.config import Config, ModelConfig
-from megatron_domino.config.errors import ConfigError
-from megatron_domino.config.loader import load_config
-from megatron_domino.config.validate import validate_config
+from megatron_domino.config import ModelConfig
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.models.counters import count_parameters, flops_per_token
 from megatron_domino.models.moe import MoE
 from megatron_domino.models.router import route, within_capacity
 from megatron_domino.tensor_parallel import TPContext
 from tests.harness import run_ranks
-from tests.parity import assert_same_run, train_steps
+from tests.parity import assert_same_run, layout_config, train_steps
 from tests.test_pipeline import GLOBAL_BATCH, MICRO_BATCH
 from tests.test_zero_bubble import LR, OPT, _batches as zero_bubble_batches
 
@@ -92,7 +89,7 @@ def _reference_layer(moe: MoE, cfg, x, capacity_factor):
         out = mlp(moe.shared_experts, token) if moe.shared_experts is not None else torch.zeros_like(token)
         for e in chosen:
             if filled[e] < capacity:
-                out = out + scores[e] / total * mlp(moe.experts[e], token)
+                out = out + scores[e] / total * mlp(moe.experts[str(e)], token)
             filled[e] += 1
             counts[e] += 1
         outputs.append(out)
@@ -102,8 +99,10 @@ def _reference_layer(moe: MoE, cfg, x, capacity_factor):
     return torch.stack(outputs).reshape(x.shape), aux, z_sum / count
 
 
-@pytest.mark.parametrize("cfg", [GPT_MOE, LLAMA_MOE, replace(GPT_MOE, moe_capacity_factor=0.5, moe_shared_experts=2)],
-                         ids=["softmax-gelu-bias", "sigmoid-swiglu-shared-capacity", "softmax-shared-drops"])
+@pytest.mark.parametrize("cfg", [GPT_MOE, LLAMA_MOE, replace(GPT_MOE, moe_capacity_factor=0.5, moe_shared_experts=2),
+                                 replace(GPT_MOE, moe_grouped_gemm=True), replace(LLAMA_MOE, moe_grouped_gemm=True)],
+                         ids=["softmax-gelu-bias", "sigmoid-swiglu-shared-capacity", "softmax-shared-drops",
+                              "grouped-gemm-bias", "grouped-gemm-swiglu"])
 def test_layer_equals_loops_over_tokens_and_experts(cfg):
     torch.manual_seed(0)
     moe = MoE(cfg, TPContext())
@@ -142,19 +141,13 @@ def test_counters_report_total_and_active_parameters():
     """Total = every parameter of the built model; active = top-k experts only; FLOPs count the active weights."""
     for cfg in (GPT_MOE, LLAMA_MOE, replace(LLAMA_MOE, num_layers=4, moe_layer_freq=2)):
         assert count_parameters(cfg) == sum(p.numel() for p in LanguageModel(cfg).parameters())
-        expert = sum(p.numel() for p in MoE(cfg, TPContext()).experts[0].parameters())
+        expert = sum(p.numel() for p in MoE(cfg, TPContext()).experts["0"].parameters())
         moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
         assert count_parameters(cfg, active=True) == count_parameters(cfg) - moe_layers * (E - K) * expert
         matrices = (3 if cfg.activation == "swiglu" else 2) * cfg.hidden_size
         experts_run = K + cfg.moe_shared_experts
         extra = moe_layers * (E * cfg.hidden_size + matrices * (experts_run * cfg.moe_ffn_size - cfg.ffn_size))
         assert flops_per_token(cfg) == flops_per_token(replace(cfg, num_experts=None)) + 6 * extra  # vs dense MLPs
-
-
-def test_expert_parallelism_is_refused_until_built():
-    cfg = load_config(None, ["data.mock=true", "model.num_experts=4", "parallel.ep=2", "parallel.dp=2"])
-    with pytest.raises(ConfigError, match="not built yet.*parallel.ep=1"):
-        validate_config(cfg, world_size=2, check_paths=False)
 
 
 # ---------------------------------------------------------------- TP and PP against one process
@@ -166,13 +159,14 @@ def _batches(model):
     return zero_bubble_batches(model)[:STEPS]
 
 
-def _reference(model, group_size):
-    """One process, SGD; tokens routed in groups of ``group_size`` samples (a micro-batch or a Domino mu-chunk),
-    the objective the engine's: token-mean LM loss + auxiliary losses averaged over micro-batches."""
+def _reference(model, group_size, batches=None, norms=None):
+    """One process, SGD over ``batches`` (default ``_batches``); tokens routed in groups of ``group_size`` samples
+    (a micro-batch or a Domino mu-chunk), the objective the engine's: token-mean LM loss + auxiliary losses
+    averaged over micro-batches. Appends each step's gradient norm to ``norms``."""
     dense = LanguageModel(model)
     initialize_weights(dense, seed=3)
     losses = []
-    for tokens, labels, mask in _batches(model):
+    for tokens, labels, mask in batches or _batches(model):
         dense.zero_grad(set_to_none=True)
         dense.start_moe_step(1.0 / GLOBAL_BATCH)
         total = 0.0
@@ -180,6 +174,8 @@ def _reference(model, group_size):
             loss = (dense(None, {"tokens": tokens[rows], "labels": labels[rows]}) * mask[rows]).sum() / mask.sum()
             loss.backward()
             total += loss.item()
+        if norms is not None:
+            norms.append(torch.stack([p.grad.pow(2).sum() for p in dense.parameters()]).sum().sqrt().item())
         with torch.no_grad():
             for p in dense.parameters():
                 p -= LR * p.grad
@@ -193,21 +189,15 @@ def _microbatches(model):
                           for tokens, labels, mask in _batches(model)]
 
 
-def _config(model, tp, pp, domino=False, split="row", sequence_parallel=False, schedule=None):
-    cfg = Config(model=model)
-    cfg.parallel.pipeline_schedule = schedule
-    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp = tp, pp, 1
-    cfg.parallel.domino, cfg.parallel.domino_split = domino, split
-    cfg.parallel.sequence_parallel = sequence_parallel
-    cfg.train.micro_batch_size, cfg.train.global_batch_size = MICRO_BATCH, GLOBAL_BATCH
-    return cfg
+def _config(model, tp, pp, **parallel):
+    return layout_config(model, MICRO_BATCH, GLOBAL_BATCH, tp=tp, pp=pp, dp=1, **parallel)
 
 
 # (config, samples routed together): Domino's row split routes each mu-chunk of one sample on its own
 LAYOUTS = [(_config(replace(GPT_MOE, recompute="full"), 2, 1, domino=True), 1),
-           (_config(LLAMA_MOE, 2, 1, domino=True, split="column", sequence_parallel=True), MICRO_BATCH),
+           (_config(LLAMA_MOE, 2, 1, domino=True, domino_split="column", sequence_parallel=True), MICRO_BATCH),
            (_config(replace(GPT_MOE, moe_shared_experts=1, moe_capacity_factor=1.0), 1, 2), MICRO_BATCH),
-           (_config(LLAMA_MOE, 1, 2, schedule="zb-h1"), MICRO_BATCH)]
+           (_config(LLAMA_MOE, 1, 2, pipeline_schedule="zb-h1"), MICRO_BATCH)]
 
 
 def _check(rank, world_size, checkpoint_dir):

@@ -40,6 +40,25 @@ CP_EXPECTED = {
 }
 
 
+# (tp, cp, pp, dp, ep) in the default order -> expected expert groups, by hand: ep consecutive dp ranks share
+# the experts out; ranks with the same share (dp % ep, any cp) replicate them.
+EP_EXPECTED = {
+    (2, 1, 1, 4, 2): dict(ep=[[0, 2], [1, 3], [4, 6], [5, 7]], expert_dp=[[0, 4], [1, 5], [2, 6], [3, 7]]),
+    (1, 2, 1, 4, 2): dict(ep=[[0, 2], [1, 3], [4, 6], [5, 7]], expert_dp=[[0, 1, 4, 5], [2, 3, 6, 7]]),
+    (1, 1, 2, 4, 4): dict(ep=[[0, 1, 2, 3], [4, 5, 6, 7]], expert_dp=[[r] for r in range(8)]),
+}
+
+
+@pytest.mark.parametrize("layout", list(EP_EXPECTED), ids=lambda l: "tp{}-cp{}-pp{}-dp{}-ep{}".format(*l))
+def test_expert_parallel_groups_match_hand_written_layout(layout):
+    tp, cp, pp, dp, ep = layout
+    topo = Topology(tp * cp * pp * dp, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
+    assert topo.ep_groups() == EP_EXPECTED[layout]["ep"]
+    assert topo.expert_dp_groups() == EP_EXPECTED[layout]["expert_dp"]
+    for group in topo.ep_groups():  # members in ep order: the share a member holds is its dp % ep
+        assert [topo.coordinate(r).dp % ep for r in group] == list(range(ep))
+
+
 @pytest.mark.parametrize("layout", list(CP_EXPECTED), ids=lambda l: "tp{}-cp{}-pp{}-dp{}".format(*l))
 def test_context_parallel_groups_match_hand_written_layout(layout):
     tp, cp, pp, dp = layout
@@ -91,6 +110,8 @@ def test_dp_inferred_and_rank_map():
     (dict(world_size=8, tp=2, pp=2, dp=3), "parallel.dp"),
     (dict(world_size=8, tp=0), "parallel.tp"),
     (dict(world_size=8, order="tp-pp"), "parallel.order"),
+    (dict(world_size=8, dp=8, ep=3), "parallel.ep"),
+    (dict(world_size=8, ep=0), "parallel.ep"),
 ])
 def test_bad_layouts_are_refused(kwargs, key):
     with pytest.raises(ValueError, match=key.replace("*", r"\*").replace(".", r"\.")):
@@ -132,6 +153,17 @@ def _check_real_groups(rank, world_size):
             assert value.item() == sum(members), ((tp, cp, pp, dp), name, value, members)
         assert mpu.get_context_parallel_world_size() == cp and ps.cp_ranks == next(g for g in want["cp"] if rank in g)
         assert mpu.get_context_parallel_rank() == ps.topology.coordinate(rank).cp
+        state.destroy()
+    for (tp, cp, pp, dp, ep), want in EP_EXPECTED.items():
+        ps = state.initialize(Topology(world_size, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), print_rank_map=False)
+        for name, group in (("ep", ps.ep_group), ("expert_dp", ps.expert_dp_group)):
+            members = next(g for g in want[name] if rank in g)
+            value = torch.tensor([float(rank)])
+            dist.all_reduce(value, group=group)
+            assert value.item() == sum(members), ((tp, cp, pp, dp, ep), name, value, members)
+        assert mpu.get_expert_model_parallel_world_size() == ep and mpu.get_expert_model_parallel_group() is ps.ep_group
+        assert mpu.get_expert_model_parallel_rank() == dist.get_rank(ps.ep_group)
+        assert mpu.get_expert_data_parallel_group() is ps.expert_dp_group
         state.destroy()
     assert not mpu.model_parallel_is_initialized()
     mpu.initialize_model_parallel(2, 2)

@@ -35,6 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     to_native.add_argument("--output", required=True, help="native checkpoint root to create")
     to_native.add_argument("--tp", type=int, default=1)
     to_native.add_argument("--pp", type=int, default=1)
+    to_native.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (MoE; taken from data parallel)")
     to_native.add_argument("--seq-length", type=int, help="training sequence length (default: from config.json)")
     to_hf = commands.add_parser("native-to-hf", help="native checkpoint -> HF directory")
     to_hf.add_argument("--input", required=True, help="checkpoint root (follows 'latest') or a step_* directory")
@@ -47,6 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     again.add_argument("--tp", type=int, required=True)
     again.add_argument("--pp", type=int, required=True)
     again.add_argument("--virtual-pp", type=int, default=1)
+    again.add_argument("--ep", type=int, help="expert-parallel ranks (default: the input's)")
     old = commands.add_parser("upgrade", help="version-1 native checkpoint -> this release's sharded format")
     old.add_argument("--input", required=True, help="checkpoint root (follows 'latest') or a step_* directory")
     old.add_argument("--output", required=True, help="new checkpoint root")
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
     try:
         if args.command == "hf-to-native":
             out = hf_to_native(args.input, args.output, tp=args.tp, pp=args.pp, model=args.model,
-                               seq_length=args.seq_length, quiet=args.quiet)
+                               seq_length=args.seq_length, quiet=args.quiet, ep=args.ep)
             print(f"wrote {out} and {os.path.join(out, 'config.yaml')}")
         elif args.command == "native-to-hf":
             out = native_to_hf(args.input, args.output, max_shard_size=args.max_shard_size,
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
             print(f"wrote {out}")
         else:
             out = reshard(args.input, args.output, tp=args.tp, pp=args.pp, virtual_pp=args.virtual_pp,
-                          quiet=args.quiet)
+                          quiet=args.quiet, ep=args.ep)
             print(f"wrote {out}")
     except (ConfigError, CheckpointError, FileNotFoundError, FileExistsError, ValueError, KeyError) as error:
         message = error.args[0] if isinstance(error, KeyError) else error  # KeyError's str() adds quotes

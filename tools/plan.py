@@ -2,11 +2,13 @@
 a cluster, with its per-GPU memory and step time, ranked fastest first among those that fit.
 
     python tools/plan.py --model gpt3-175b --gpu h100-80gb --nodes 16 --gpus-per-node 8
-        [--seq-length 2048] [--global-batch 1536] [--top 10] [--emit] [--tp 8] [--cp 1,2] [--pp 8,16] [key=value ...]
+        [--seq-length 2048] [--global-batch 1536] [--top 10] [--emit] [--tp 8] [--cp 1,2] [--pp 8,16] [--ep 1,4]
+        [key=value ...]
 
 --model takes a config file or a size name (gpt3-175b, llama2-70b, tiny-gpt, ... as listed by --help).
---emit prints only the best layout, as overrides for pretrain_gpt.py / pretrain_llama.py. The
-assumptions behind the numbers are in megatron_domino/planner/{memory,timing}.py.
+--ep (MoE models only) pins the expert-parallel sizes as --cp pins cp. --emit prints only the best layout,
+as overrides for pretrain_gpt.py / pretrain_llama.py. The assumptions behind the numbers are in
+megatron_domino/planner/{memory,timing,moe}.py.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from megatron_domino.config import ConfigError, load_config  # noqa: E402
 from megatron_domino.models.counters import count_parameters  # noqa: E402
 from megatron_domino.planner.hardware import GPUS, get_gpu  # noqa: E402
 from megatron_domino.planner.report import format_table  # noqa: E402
-from megatron_domino.planner.search import first_valid, rank_layouts  # noqa: E402
+from megatron_domino.planner.search import candidate_layouts, divisors, first_valid, rank_layouts  # noqa: E402
 from megatron_domino.planner.timing import TimingAssumptions  # noqa: E402
 
 _FAMILY_PREFIX = {"gpt": "gpt3-", "llama": "", "tiny": "tiny-"}
@@ -82,6 +84,7 @@ def parse_args(argv):
     p.add_argument("--tp", type=_list(_count), help="only these tp sizes (comma-separated)")
     p.add_argument("--cp", type=_list(_count), help="only these context-parallel sizes")
     p.add_argument("--pp", type=_list(_count), help="only these pp sizes")
+    p.add_argument("--ep", type=_list(_count), help="only these expert-parallel sizes (MoE models)")
     p.add_argument("--vpp", type=_list(_count), help="only these virtual pp sizes")
     p.add_argument("--mbs", type=_list(_count), help="only these micro batch sizes")
     p.add_argument("--recompute", type=_list(str), help="only these: none,selective,full")
@@ -92,12 +95,25 @@ def parse_args(argv):
 
 
 def _filters(args) -> dict:
-    only = {"tp": args.tp, "cp": args.cp, "pp": args.pp, "virtual_pp": args.vpp, "micro_batch": args.mbs,
+    only = {"tp": args.tp, "cp": args.cp, "pp": args.pp, "ep": args.ep, "virtual_pp": args.vpp, "micro_batch": args.mbs,
             "recompute": args.recompute, "zero_stage": args.zero}
     only = {key: value for key, value in only.items() if value is not None}
     if args.tp_comm is not None:
         only["sequence_parallel"] = {mode == "sp" for mode in args.tp_comm}
     return only
+
+
+def check_ep(cfg, eps: list[int]) -> None:
+    """Refuse an ``--ep`` no layout of this model can have: it must divide model.num_experts (and a data-parallel
+    size: checked after the search), as ``config/validate_moe.py`` requires of parallel.ep."""
+    experts = cfg.model.num_experts or 0
+    for ep in eps:
+        if ep > 1 and not experts:
+            raise ConfigError("--ep", ep, "expert parallelism needs experts (model.num_experts is unset)",
+                              "drop --ep, or plan an MoE model (model.num_experts=N)")
+        if experts % ep:
+            raise ConfigError("--ep", ep, f"must divide model.num_experts = {experts} (each expert-parallel rank "
+                              "holds num_experts / ep experts)", f"use one of {divisors(experts)}")
 
 
 def main(argv=None) -> int:
@@ -114,11 +130,20 @@ def main(argv=None) -> int:
             extra.append(f"train.global_batch_size={args.global_batch}")
         cfg = load_config(path, [*args.overrides, *extra])
         gpu = get_gpu(args.gpu).with_overhead(args.overhead_gib)
+        check_ep(cfg, args.ep or [])
     except (ConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     assumptions = TimingAssumptions(args.efficiency, args.domino_hidden, args.domino_column_hidden)
     estimates = rank_layouts(cfg, gpu, args.nodes, args.gpus_per_node, assumptions, _filters(args))
+    world = args.nodes * args.gpus_per_node
+    if args.ep and not estimates and candidate_layouts(cfg, world, {**_filters(args), "ep": divisors(world)}):
+        value = args.ep[0] if len(args.ep) == 1 else args.ep
+        error = ConfigError("--ep", value, "must divide the data-parallel size (expert ranks are data-parallel "
+                            f"ranks), and no valid layout of {world} GPUs with the other options has such a dp",
+                            "lower --ep, or pin --tp/--cp/--pp so that GPUs / (tp*cp*pp) is a multiple of it")
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if args.emit:
         best = first_valid(cfg, (e for e in estimates if e.fits), 1)
         if not best:
@@ -127,17 +152,19 @@ def main(argv=None) -> int:
             return 1
         print(" ".join(best[0].layout.overrides()))
         return 0
-    world = args.nodes * args.gpus_per_node
-    params = count_parameters(cfg.model)
-    size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
-    print(f"model {os.path.relpath(path, ROOT)}: {size} parameters, "
+    size = lambda n: f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"  # noqa: E731
+    params = size(count_parameters(cfg.model))
+    if cfg.model.num_experts:
+        params += (f" ({size(count_parameters(cfg.model, active=True))} active: top-{cfg.model.moe_topk} of "
+                   f"{cfg.model.num_experts} experts)")
+    print(f"model {os.path.relpath(path, ROOT)}: {params} parameters, "
           f"seq {cfg.model.seq_length}, global batch {cfg.train.global_batch_size}, "
           f"{'bf16' if cfg.train.bf16 else 'fp16' if cfg.train.fp16 else 'fp32'}")
     print(f"cluster: {world} x {gpu.name} ({args.nodes} nodes x {args.gpus_per_node}), "
           f"{gpu.memory_gib:.1f} GiB each, {gpu.overhead_gib:.1f} GiB overhead; "
           f"efficiency {assumptions.efficiency:.2f}, "
           f"Domino hides {assumptions.domino_hidden:.2f} (row) / {assumptions.domino_column_hidden:.2f} (column)")
-    print(format_table(estimates, first_valid(cfg, estimates, args.top)))
+    print(format_table(estimates, first_valid(cfg, estimates, args.top), moe=bool(cfg.model.num_experts)))
     return 0
 
 

@@ -58,6 +58,7 @@ class ModelConfig:
     moe_capacity_factor: Optional[float] = None  # None: dropless
     moe_shared_experts: int = 0  # always-on experts, as one MLP of this many experts' width
     moe_layer_freq: Union[int, list] = 1  # MoE every k-th layer from layer 0, or one 0/1 per layer (Megatron)
+    moe_grouped_gemm: bool = False  # a rank's experts in one grouped GEMM (torch's grouped_mm), not a loop
 
     @property
     def ffn_size(self) -> int:
@@ -142,7 +143,7 @@ class ParallelConfig:
     collective_timeout_s: Optional[float] = None
     # debug: make gloo obey NCCL's rules (untagged, rendezvous p2p; host tensors refused by collectives)
     strict_transport: bool = False
-    ep: int = 1  # expert parallel size, taken from the data-parallel ranks (not built yet: 1 only)
+    ep: int = 1  # expert parallel size, taken from the data-parallel ranks (divides dp and num_experts)
 
 
 @dataclass

@@ -58,14 +58,10 @@ def _check_layer_freq(c, m) -> None:
 
 
 def _check_ep(c, m, p, dp: int | None) -> None:
-    """Megatron's rule (ep ranks come from the data-parallel ones, each holds num_experts / ep), then the
-    present limit: the all-to-all dispatch is not built yet."""
+    """Megatron's rule: ep ranks come from the data-parallel ones, each holds num_experts / ep."""
     if dp is not None and dp % p.ep:
         c.fail("parallel.ep", p.ep, f"must divide the data-parallel size {dp} (expert ranks are data-parallel ranks)",
                "choose an ep that divides dp")
     if m.num_experts % p.ep:
         c.fail("parallel.ep", p.ep, f"must divide model.num_experts = {m.num_experts}",
                "choose an ep that divides the number of experts")
-    if p.ep > 1:
-        c.fail("parallel.ep", p.ep, "expert parallelism (the all-to-all token dispatch) is not built yet",
-               "use parallel.ep=1: every rank holds all experts, split by tensor parallelism")

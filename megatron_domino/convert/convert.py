@@ -103,8 +103,9 @@ class _GroupByGroup:
 
 
 def hf_to_native(input_dir: str, output: str, *, tp: int = 1, pp: int = 1, model: str | None = None,
-                 seq_length: int | None = None, quiet: bool = False) -> str:
-    """HF directory -> native checkpoint root ``output`` (step 0, weights only) plus ``output/config.yaml``."""
+                 seq_length: int | None = None, quiet: bool = False, ep: int = 1) -> str:
+    """HF directory -> native checkpoint root ``output`` (step 0, weights only) plus ``output/config.yaml``, whose
+    layout is tp x pp with ep expert-parallel ranks (ep data-parallel ranks at least)."""
     hf_cfg = read_hf_config(input_dir)
     model_type = detect_model_type(hf_cfg, model)
     model_cfg = model_config_from_hf(hf_cfg, model_type, seq_length)
@@ -113,7 +114,7 @@ def hf_to_native(input_dir: str, output: str, *, tp: int = 1, pp: int = 1, model
     group_list = groups(model_cfg)
     specs = _plan(group_list, produce)
     dtype_name = _dtype_name(specs["embedding.word_embeddings.weight"][0])
-    cfg = run_config(model_cfg, hf_dir=input_dir, output=output, tp=tp, pp=pp, dtype_name=dtype_name)
+    cfg = run_config(model_cfg, hf_dir=input_dir, output=output, tp=tp, pp=pp, dtype_name=dtype_name, ep=ep)
     check_layout(cfg)
     tmp = start_step_dir(output, 0)
     progress = _progress(specs, "hf-to-native", quiet)
@@ -139,7 +140,8 @@ def _write_run_config(cfg, path: str, input_dir: str, model_type: str) -> None:
     script = "pretrain_gpt.py" if model_type == "gpt2" else "pretrain_llama.py"
     lines = [f"# Converted from the HF {model_type} model in {os.path.abspath(input_dir)} by "
              "tools/convert_checkpoint.py.",
-             f"# Fine-tune: torchrun --nproc-per-node {cfg.parallel.tp * cfg.parallel.pp} {script} --config {path} "
+             f"# Fine-tune: torchrun --nproc-per-node {cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.ep} {script} "
+             f"--config {path} "
              "data.path=[PREFIX]",
              "# Evaluate: the same with --eval-only. checkpoint.load starts from the converted weights; to resume",
              "# this run from its own checkpoints (in checkpoint.dir) instead, pass checkpoint.load=auto."]
@@ -213,15 +215,17 @@ def _copy_tokenizer(cfg, output_dir: str) -> None:
             shutil.copyfile(os.path.join(source, name), os.path.join(output_dir, name))
 
 
-def reshard(input_path: str, output: str, *, tp: int, pp: int, virtual_pp: int = 1, quiet: bool = False) -> str:
-    """Native checkpoint -> native checkpoint root ``output`` whose config and metadata say (tp, pp, virtual pp).
+def reshard(input_path: str, output: str, *, tp: int, pp: int, virtual_pp: int = 1, quiet: bool = False,
+            ep: int | None = None) -> str:
+    """Native checkpoint -> native checkpoint root ``output`` whose config and metadata say (tp, pp, virtual pp) and
+    ``ep`` (None: the input's).
     The tensors are layout-free, so their files are copied as they are (any layout could load them anyway:
     this re-targets the config a run starts from)."""
     step_dir, metadata, cfg = open_native(input_path)
     par = cfg.parallel
     stages = pp * virtual_pp
     keep_layout = par.pipeline_layout is not None and len(par.pipeline_layout) == stages
-    cfg = replace(cfg, parallel=replace(par, tp=tp, pp=pp, dp=None, virtual_pp=virtual_pp,
+    cfg = replace(cfg, parallel=replace(par, tp=tp, pp=pp, dp=None, virtual_pp=virtual_pp, ep=ep or par.ep,
                                         pipeline_layout=par.pipeline_layout if keep_layout else None))
     check_layout(cfg)
     if os.path.realpath(output) in (os.path.realpath(step_dir), os.path.realpath(os.path.dirname(step_dir))):

@@ -206,13 +206,14 @@ def hf_config_from_model(cfg: ModelConfig, dtype_name: str) -> dict:
             "rope_theta": cfg.rope_base, "rope_scaling": scaling, "rope_parameters": rope}
 
 
-def run_config(model: ModelConfig, *, hf_dir: str, output: str, tp: int, pp: int, dtype_name: str) -> Config:
+def run_config(model: ModelConfig, *, hf_dir: str, output: str, tp: int, pp: int, dtype_name: str,
+               ep: int = 1) -> Config:
     """The config.yaml written beside a converted checkpoint: ready to fine-tune or evaluate once data.path is set."""
     output = os.path.abspath(output)
     has_tokenizer = any(os.path.exists(os.path.join(hf_dir, name)) for name in TOKENIZER_FILES)
     tokenizer = (TokenizerConfig(type="HuggingFaceTokenizer", model=os.path.abspath(hf_dir)) if has_tokenizer
                  else TokenizerConfig())
-    cfg = Config(model=model, parallel=ParallelConfig(tp=tp, pp=pp),
+    cfg = Config(model=model, parallel=ParallelConfig(tp=tp, pp=pp, ep=ep),
                  train=TrainConfig(steps=1000, micro_batch_size=1, global_batch_size=8, bf16=dtype_name == "bfloat16"),
                  optimizer=OptimizerConfig(lr=1e-5, min_lr=1e-6, weight_decay=0.1, warmup_steps=50,
                                            lr_schedule="cosine"),

@@ -22,9 +22,11 @@ MODEL = "model/"  # stored names of the weights; the optimizer's are under "opti
 
 
 def check_layout(cfg: Config) -> None:
-    """Every rule a run at world size tp * pp checks, except those on data (given when the run starts)."""
+    """Every rule a run at world size tp * pp (times ep: its ranks come from dp) checks, except those on data
+    (given when the run starts)."""
+    par = cfg.parallel
     try:
-        validate_config(cfg, world_size=cfg.parallel.tp * cfg.parallel.pp, check_paths=False)
+        validate_config(cfg, world_size=par.tp * par.pp * par.ep, check_paths=False)
     except ConfigError as error:
         problems = [p for p in error.problems if not p.key.startswith("data.")]
         if problems:
@@ -32,7 +34,7 @@ def check_layout(cfg: Config) -> None:
 
 
 def layout(cfg: Config) -> dict:
-    """The layout of a converted checkpoint: tp, pp and virtual pp; any dp and ZeRO stage may load it."""
+    """The layout of a converted checkpoint: tp, pp and virtual pp; any dp, ep and ZeRO stage may load it."""
     par = cfg.parallel
     return fmt.layout(par.tp, par.pp, None, par.virtual_pp, None)
 

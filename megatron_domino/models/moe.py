@@ -9,11 +9,13 @@ It has the MLP's two phase pieces, so the block, Domino and the pipeline run it 
   (reduce-scatter under sequence parallelism) for the whole layer, synchronous or left in flight.
   Weighting partials is exact because the all-reduce is a sum.
 
-Experts are MLPs split over TP like the dense one (expert TP = tp; parameters
-``mlp.experts.E.fc1/fc2``); every rank holds every expert (``parallel.ep`` 1). Tokens are gathered per
-expert in one sort; their sizes are read on the host (one sync per layer and forward). The input enters the
-TP region once for all experts (copy, or the SP all-gather) without Domino's asynchronous input-gradient
-reduction, which serves one linear.
+Experts are MLPs split over TP like the dense one (expert TP = tp; parameters ``mlp.experts.E.fc1/fc2``,
+E the global index). Under expert parallelism (``parallel.ep``) a rank holds num_experts / ep of them and
+the token rows travel to their experts and back by all-to-all (``expert_dispatch``); the rank's TP peers
+exchange the same rows with their own peers, so each TP rank's partials stay in its TP slice. Rows are
+sorted by expert in one sort; their sizes are read on the host (one sync per layer and forward, two under
+EP). The input enters the TP region once for all experts (copy, or the SP all-gather) without Domino's
+asynchronous input-gradient reduction, which serves one linear.
 
 TP and the router: the router weight is replicated and its fp32 logits enter the TP region like an
 activation (backward sums the logits' gradient over TP), so the logits are identical on every TP rank.
@@ -41,6 +43,8 @@ from torch import nn
 from ..parallel import comm
 from ..tensor_parallel import ParamInfo, TPContext, declare, make_param
 from ..tensor_parallel.async_comm import launch_reduce
+from .expert_dispatch import ExpertExchange
+from .expert_linear import experts_linear, grouped_mm
 from .mlp import MLP
 from .router import Routing, route
 
@@ -51,9 +55,10 @@ class Routed:
 
     shape: torch.Size  # [b, s, h] of the full-sequence output
     routing: Routing
-    assignments: list  # per expert: its kept assignments, as indices into the flattened [T, k] (token order)
-    tokens: list  # per expert: the tokens of those assignments
-    hidden: list  # per expert: fc1 + activation of those tokens [n_e, ffn / tp]
+    assignments: torch.Tensor  # the kept assignments sorted by expert (token order within one), indices into [T, k]
+    tokens: torch.Tensor  # the token of each of those assignments
+    exchange: ExpertExchange  # where those rows go and how they come back
+    hidden: torch.Tensor  # fc1 + activation of the rows the local experts received, grouped by expert [n, ffn / tp]
     shared: torch.Tensor | None  # the shared experts' activations [b, s, shared ffn / tp]
 
 
@@ -101,11 +106,21 @@ class MoE(nn.Module):
         self.router = nn.Module()
         declare(self.router, "weight", make_param((cfg.num_experts, cfg.hidden_size), ctx),
                 ParamInfo(None, "normal", cfg.init_std, sequence_parallel=ctx.sequence_parallel))
-        self.experts = nn.ModuleList(MLP(cfg, ctx, cfg.moe_ffn_size) for _ in range(cfg.num_experts))
-        for expert in self.experts:
-            if expert.fc2.bias is not None:  # gate-weighted per token: added as partials, gradient sums over TP
-                info = expert.fc2.param_info["bias"]
-                declare(expert.fc2, "bias", expert.fc2.bias, replace(info, sequence_parallel=True))
+        ep, ep_rank = comm.group_size(ctx.ep_group), comm.group_rank(ctx.ep_group)
+        local = cfg.num_experts // ep
+        self.experts = nn.ModuleDict({str(e): MLP(cfg, ctx, cfg.moe_ffn_size)
+                                      for e in range(ep_rank * local, (ep_rank + 1) * local)})
+        for expert in self.experts.values():
+            for linear in (expert.fc1, expert.fc2):
+                for name, info in linear.param_info.items():
+                    # an fc2 bias is gate-weighted per token: added as partials, its gradient sums over TP
+                    sums_over_tp = info.sequence_parallel or (linear is expert.fc2 and name == "bias")
+                    declare(linear, name, getattr(linear, name),
+                            replace(info, expert=True, sequence_parallel=sums_over_tp))
+        self.grouped_gemm = cfg.moe_grouped_gemm
+        if self.grouped_gemm and grouped_mm is None:
+            raise ValueError(f"model.moe_grouped_gemm = true: torch {torch.__version__} has no grouped_mm. Fix: use "
+                             f"torch >= 2.9, or set model.moe_grouped_gemm=false (a loop over the experts)")
         self.shared_experts = (MLP(cfg, ctx, cfg.moe_shared_experts * cfg.moe_ffn_size)
                                if cfg.moe_shared_experts else None)
         self.loss_scale_per_sample = 1.0
@@ -124,12 +139,14 @@ class MoE(nn.Module):
         key = torch.where(routing.kept, routing.experts, self.num_experts).flatten()
         order = key.argsort(stable=True)
         sizes = torch.bincount(key, minlength=self.num_experts + 1).tolist()[:self.num_experts]
-        assignments = order[:sum(sizes)].split(sizes)
-        token_ids = [a // self.topk for a in assignments]
-        hidden = [expert.activate(F.linear(tokens[ids], expert.fc1.weight, expert.fc1.bias))
-                  for expert, ids in zip(self.experts, token_ids)]
+        assignments = order[:sum(sizes)]
+        token_ids = assignments // self.topk
+        exchange = ExpertExchange(sizes, self.ctx.ep_group, tokens.device)
+        fc1 = experts_linear(exchange.dispatch(tokens[token_ids]), exchange.local_sizes,
+                             [expert.fc1 for expert in self.experts.values()], self.grouped_gemm)
+        hidden = next(iter(self.experts.values())).activate(fc1)
         shared = self.shared_experts.hidden(x) if self.shared_experts is not None else None
-        return Routed(shape, routing, list(assignments), token_ids, hidden, shared)
+        return Routed(shape, routing, assignments, token_ids, exchange, hidden, shared)
 
     def _partial(self, routed: Routed) -> torch.Tensor:
         """This rank's share of the layer output before the TP sum, [b, s, h], with the auxiliary losses attached."""
@@ -141,12 +158,11 @@ class MoE(nn.Module):
             if self.aux_coeff or self.z_coeff:
                 loss = self.aux_coeff * routing.aux_loss + self.z_coeff * routing.z_loss
                 gates = _AttachLoss.apply(gates, loss, self.loss_scale_per_sample * b / tp)
-        gates = gates.flatten()
-        out = routed.hidden[0].new_zeros(b * s, h)
-        for expert, assignments, ids, hidden in zip(self.experts, routed.assignments, routed.tokens, routed.hidden):
-            y = F.linear(hidden, expert.fc2.weight, None if expert.fc2.bias is None else expert.fc2.bias / tp)
-            out = out.index_add(0, ids, y * gates[assignments].unsqueeze(-1).to(y.dtype))
-        out = out.view(b, s, h)
+        outputs = experts_linear(routed.hidden, routed.exchange.local_sizes,
+                                 [expert.fc2 for expert in self.experts.values()], self.grouped_gemm, tp)
+        rows = routed.exchange.combine(outputs)
+        weighted = rows * gates.flatten()[routed.assignments].unsqueeze(-1).to(rows.dtype)
+        out = rows.new_zeros(b * s, h).index_add(0, routed.tokens, weighted).view(b, s, h)
         if routed.shared is not None:
             out = out + F.linear(routed.shared, self.shared_experts.fc2.weight)
         return out

@@ -18,10 +18,15 @@ One step, on every rank:
 
 fp32 weights are their own master: the shard's master tensor is a view of the weight, so no copy
 is kept. The reduction is a SUM over DP: the trainer already divides the loss by the global count.
+
+Experts under expert parallelism: an expert's replicas are the expert-data-parallel group's (dp * cp / ep
+ranks), so expert parameters get buffers of their own, reduced and ZeRO-sharded over that group. The sum
+is still the whole gradient: the all-to-all's backward already brought every rank's tokens' share home.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..config.errors import ConfigError
 from ..config.schema import ZERO_STAGES, OptimizerConfig
@@ -37,10 +42,12 @@ class DistributedOptimizer:
     norms and inf flags are summed besides DP; None entries are skipped. ``dp_group`` None means no data
     parallelism (only without torch.distributed, or with one rank). ``bucket_alone``: global names of
     parameters that get a bucket of their own, so their reduced-gradient regions match on every stage that
-    holds a copy (the tied word embedding, summed over the first and last stage)."""
+    holds a copy (the tied word embedding, summed over the first and last stage). ``expert_dp_group`` and
+    ``ep_group``: where expert parameters are replicated and where they differ (None: no expert parallelism)."""
 
     def __init__(self, model_chunks: list[torch.nn.Module], opt: OptimizerConfig, *, dp_group, tp_rank: int,
-                 norm_groups: list, fp16: bool = False, bf16: bool = False, bucket_alone: tuple[str, ...] = ()):
+                 norm_groups: list, fp16: bool = False, bf16: bool = False, bucket_alone: tuple[str, ...] = (),
+                 expert_dp_group=None, ep_group=None):
         if fp16 and bf16:
             raise ConfigError("train.fp16 / train.bf16", (fp16, bf16), "at most one precision may be chosen",
                               "set one of them to false")
@@ -48,6 +55,8 @@ class DistributedOptimizer:
             raise ConfigError("optimizer.zero_stage", opt.zero_stage, f"must be one of {ZERO_STAGES}",
                               "use 1 (sharded optimizer state) or 0 (plain all-reduce)")
         self.opt, self.dp_group, self.tp_rank = opt, dp_group, tp_rank
+        self.ep_group = ep_group if comm.group_size(ep_group) > 1 else None
+        self.expert_dp_group = expert_dp_group if self.ep_group is not None else dp_group
         self.norm_groups = [group for group in norm_groups if group is not None]
         dp = comm.group_size(dp_group)
         self.zero_stage = opt.zero_stage if dp > 1 else 0  # one DP rank: a shard is the whole
@@ -73,17 +82,19 @@ class DistributedOptimizer:
         self.steps = 0
 
     def _build_buffers(self, model_chunks) -> list[GradBuffer]:
-        """One buffer per (chunk, weight dtype), parameters in reverse registration (~ backward) order."""
+        """One buffer per (chunk, weight dtype, expert or not), parameters in reverse registration (~ backward)
+        order."""
         buffers = []
         for chunk in model_chunks:
-            by_dtype: dict[torch.dtype, list] = {}
+            by_kind: dict[tuple[torch.dtype, bool], list] = {}
             for param in chunk.parameters():
                 if param.requires_grad:
-                    by_dtype.setdefault(param.dtype, []).append(param)
-            for dtype, params in by_dtype.items():
+                    by_kind.setdefault((param.dtype, self.infos[id(param)].expert), []).append(param)
+            for (dtype, expert), params in by_kind.items():
                 grad_dtype = torch.float32 if self.opt.accumulate_grads_in_fp32 else dtype
                 bucket_elems = max(1, int(self.opt.bucket_size_mb * 2**20) // grad_dtype.itemsize)
-                buffers.append(GradBuffer(params[::-1], grad_dtype, bucket_elems, self.dp_group,
+                group = self.expert_dp_group if expert else self.dp_group
+                buffers.append(GradBuffer(params[::-1], grad_dtype, bucket_elems, group,
                                           shard=self.zero_stage >= 1, release=self.zero_stage == 2,
                                           alone=lambda p: self.names.get(id(p)) in self.bucket_alone))
         return buffers
@@ -165,9 +176,14 @@ class DistributedOptimizer:
 
     def _local_squared_norm(self) -> torch.Tensor:
         """This rank's share of the squared L2 norm; summed over TP x PP, and over DP only when the shards
-        are disjoint (ZeRO-1/2), it gives the global norm."""
-        grads = [f.grad for f in self.fragments if self.infos[id(f.param)].counts_once(self.tp_rank)]
-        return local_squared_norm(grads).to(self.device)
+        are disjoint (ZeRO-1/2), it gives the global norm. Without ZeRO, experts' squares are first summed
+        over the expert-parallel group, whose ranks hold different experts (with ZeRO, DP covers it)."""
+        counted = [f for f in self.fragments if self.infos[id(f.param)].counts_once(self.tp_rank)]
+        dense = local_squared_norm([f.grad for f in counted if not self.infos[id(f.param)].expert]).to(self.device)
+        experts = local_squared_norm([f.grad for f in counted if self.infos[id(f.param)].expert]).to(self.device)
+        if self.ep_group is not None and self.zero_stage == 0:
+            dist.all_reduce(experts, group=self.ep_group)
+        return dense + experts
 
     def _update(self, lr: float) -> None:
         for master, fragment in zip(self.masters, self.fragments):

@@ -114,15 +114,16 @@ class GradBuffer:
 
     def __init__(self, params: list, grad_dtype: torch.dtype, bucket_elems: int, group, *, shard: bool,
                  release: bool, alone: Callable[[torch.Tensor], bool] = lambda p: False):
-        self.group, self.grad_dtype, self.release = group, grad_dtype, release
         size = dist.get_world_size(group) if group is not None else 1
+        shard = shard and size > 1  # one replica (an expert's, when ep = dp): nothing to shard, nothing to release
+        self.group, self.grad_dtype, self.release = group, grad_dtype, release and shard
         self.shards = size if shard else 1
         self.rank = dist.get_rank(group) if shard else 0
         self.device = params[0].device
         layouts = plan_buckets(params, bucket_elems, self.shards, alone)
         total = sum(layout.size for layout in layouts)
         self.param_data = torch.zeros(total, dtype=params[0].dtype, device=self.device)
-        self.grad_data = None if release else torch.zeros(total, dtype=grad_dtype, device=self.device)
+        self.grad_data = None if self.release else torch.zeros(total, dtype=grad_dtype, device=self.device)
         self.reduced_data = (torch.zeros(total // self.shards, dtype=grad_dtype, device=self.device)
                              if shard else self.grad_data)
         self.buckets: list[Bucket] = []

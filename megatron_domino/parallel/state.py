@@ -50,10 +50,18 @@ class ParallelState:
         else:
             self.cp_group, self.cp_ranks = None, [self.rank]
             self.dp_cp_group, self.dp_cp_ranks = self.dp_group, self.dp_ranks
+        # Without EP, every rank holds every expert: their replicas are the dense parameters' ones.
+        if topology.ep > 1:
+            self.ep_group, self.ep_ranks = self._make(topology.ep_groups(), timeout)
+            self.expert_dp_group, self.expert_dp_ranks = self._make(topology.expert_dp_groups(), timeout)
+        else:
+            self.ep_group, self.ep_ranks = None, [self.rank]
+            self.expert_dp_group, self.expert_dp_ranks = self.dp_cp_group, self.dp_cp_ranks
         coordinate = topology.coordinate(self.rank)
         self.tp_rank, self.pp_rank, self.dp_rank, self.cp_rank = coordinate.tp, coordinate.pp, coordinate.dp, coordinate.cp
         self.tp_size, self.pp_size, self.dp_size, self.cp_size = topology.tp, topology.pp, topology.dp, topology.cp
         self.dp_cp_size = self.dp_size * self.cp_size
+        self.ep_size, self.ep_rank = topology.ep, coordinate.dp % topology.ep
         self.virtual_pp = topology.virtual_pp
 
     def _make(self, groups: list[list[int]], timeout):

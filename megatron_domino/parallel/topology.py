@@ -9,6 +9,11 @@ puts a TP group on neighbouring ranks (one node), then the context-parallel ring
 with pipeline stages outermost. An order written without ``cp`` (``tp-dp-pp``) gets cp right after tp.
 Context-parallel ranks hold different parts of the same sequences: they read the same samples (one
 data-parallel rank), and their gradients are reduced together with the data-parallel ones (``dp_cp``).
+
+Expert parallelism (Megatron's rule) takes its ranks from data parallelism: ``ep`` divides dp, and the
+expert-parallel group is ep consecutive data-parallel ranks (dp // ep equal, same tp, cp and pp). Its
+member of index dp % ep holds that share of the experts. Ranks with the same share (dp % ep equal, any cp)
+hold replicas of the same experts: the expert-data-parallel group (``expert_dp``, size dp * cp / ep).
 """
 from __future__ import annotations
 
@@ -30,9 +35,9 @@ class Topology:
     """World size cut into tp x cp x pp x dp; ``order`` names the axes innermost first ("tp-cp-dp-pp")."""
 
     def __init__(self, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
-                 virtual_pp: int = 1, order: str = "tp-cp-dp-pp", cp: int = 1):
+                 virtual_pp: int = 1, order: str = "tp-cp-dp-pp", cp: int = 1, ep: int = 1):
         for name, value in (("world_size", world_size), ("parallel.tp", tp), ("parallel.pp", pp),
-                            ("parallel.virtual_pp", virtual_pp), ("parallel.cp", cp)):
+                            ("parallel.virtual_pp", virtual_pp), ("parallel.cp", cp), ("parallel.ep", ep)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} = {value!r}: must be a positive integer. Fix: set it to 1 or more.")
         model = tp * cp * pp
@@ -47,11 +52,14 @@ class Topology:
                 f"parallel.dp = {dp}: tp * cp * pp * dp = {tp}*{cp}*{pp}*{dp} = {model * dp} must equal the world "
                 f"size {world_size}. Fix: set parallel.dp={world_size // model if world_size % model == 0 else '?'} "
                 f"or launch {model * dp} ranks.")
+        if dp % ep:
+            raise ValueError(f"parallel.ep = {ep}: must divide the data-parallel size {dp} (expert-parallel ranks are "
+                             f"data-parallel ranks). Fix: choose an ep that divides {dp}.")
         axes = full_order(order).split("-")
         if sorted(axes) != sorted(AXES):
             raise ValueError(f"parallel.order = {order!r}: must be a permutation of tp, cp, dp, pp joined by '-' "
                              f"(cp may be left out). Fix: use 'tp-cp-dp-pp' (TP innermost, Megatron's default).")
-        self.world_size, self.tp, self.cp, self.pp, self.dp = world_size, tp, cp, pp, dp
+        self.world_size, self.tp, self.cp, self.pp, self.dp, self.ep = world_size, tp, cp, pp, dp, ep
         self.virtual_pp, self.order = virtual_pp, "-".join(axes)
         self.sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
         self._strides = {}
@@ -63,7 +71,7 @@ class Topology:
     @classmethod
     def from_config(cls, par, world_size: int) -> "Topology":
         """The topology a ``ParallelConfig`` asks for on ``world_size`` ranks."""
-        return cls(world_size, par.tp, par.pp, par.dp, par.virtual_pp, par.order, cp=par.cp)
+        return cls(world_size, par.tp, par.pp, par.dp, par.virtual_pp, par.order, cp=par.cp, ep=par.ep)
 
     def rank_of(self, tp: int = 0, pp: int = 0, dp: int = 0, cp: int = 0) -> int:
         """Global rank at a coordinate."""
@@ -113,6 +121,21 @@ class Topology:
         """Ranks holding replicas of the same weights: gradients, ZeRO shards and the loss reduce over these."""
         return self._groups_along("dp", "cp")
 
+    def ep_groups(self) -> list[list[int]]:
+        """Expert-parallel groups: ep consecutive data-parallel ranks, members in ep order (expert shares)."""
+        groups = []
+        for tp, cp, pp, block in product(range(self.tp), range(self.cp), range(self.pp), range(self.dp // self.ep)):
+            groups.append([self.rank_of(tp=tp, pp=pp, dp=block * self.ep + e, cp=cp) for e in range(self.ep)])
+        return sorted(groups)
+
+    def expert_dp_groups(self) -> list[list[int]]:
+        """Ranks holding replicas of the same experts: expert gradients and ZeRO shards reduce over these."""
+        groups = []
+        for tp, pp, share in product(range(self.tp), range(self.pp), range(self.ep)):
+            groups.append(sorted(self.rank_of(tp=tp, pp=pp, dp=block * self.ep + share, cp=cp)
+                                 for block, cp in product(range(self.dp // self.ep), range(self.cp))))
+        return sorted(groups)
+
     def model_parallel_groups(self) -> list[list[int]]:
         return self._groups_along("tp", "pp")
 
@@ -137,8 +160,9 @@ class Topology:
 
     def rank_map(self, hosts: list[str] | None = None) -> str:
         """A compact table: global rank -> host, tp, cp, pp, dp."""
+        experts = f"; ep {self.ep} of dp" if self.ep > 1 else ""
         lines = [f"topology: world {self.world_size} = tp {self.tp} x cp {self.cp} x pp {self.pp} x dp {self.dp} "
-                 f"(order {self.order}, innermost first; virtual pp {self.virtual_pp})",
+                 f"(order {self.order}, innermost first; virtual pp {self.virtual_pp}{experts})",
                  "rank  host              tp  cp  pp  dp"]
         for rank in range(self.world_size):
             c = self.coordinate(rank)
@@ -148,4 +172,4 @@ class Topology:
 
     def __repr__(self) -> str:
         return (f"Topology(world_size={self.world_size}, tp={self.tp}, cp={self.cp}, pp={self.pp}, dp={self.dp}, "
-                f"virtual_pp={self.virtual_pp}, order={self.order!r})")
+                f"virtual_pp={self.virtual_pp}, order={self.order!r}, ep={self.ep})")

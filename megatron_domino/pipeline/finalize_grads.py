@@ -1,7 +1,8 @@
 """One step between the last backward and the optimizer: every gradient made whole, in a fixed order.
 
 1. data parallel: the optimizer's bucketed reduction finishes (or, without an optimizer, each ``.grad``
-   is summed over DP), since the loss is normalised by the global token count;
+   is summed over DP, an expert's over its expert-data-parallel replicas), since the loss is normalised
+   by the global token count;
 2. tied embeddings: the first stage's embedding and the last stage's copy sum their gradients
    (``stages.allreduce_tied_embedding_grads``), so both copies take the same step;
 3. sequence parallelism: norm weights and row-parallel biases sum over TP
@@ -21,14 +22,16 @@ from .stages import allreduce_tied_embedding_grads
 def finalize_grads(chunks, state, optimizer=None) -> None:
     """Collective over DP, the embedding group and TP. With ``optimizer``, its reduced gradients are finalised
     (``optimizer.reduced_grad``); without, each parameter's ``.grad``."""
-    params = [p for chunk in chunks for p in chunk.parameters()]
     if optimizer is not None:
         optimizer.finish_grad_sync()
         grad_of = optimizer.reduced_grad
     else:
         grad_of = lambda param: param.grad  # noqa: E731
-        if comm.group_size(state.dp_cp_group) > 1:
-            for param in params:
-                dist.all_reduce(param.grad, group=state.dp_cp_group)
+        for chunk in chunks:
+            table = chunk.sharding()
+            for name, param in chunk.named_global_parameters():
+                group = state.expert_dp_group if table[name].expert else state.dp_cp_group
+                if comm.group_size(group) > 1:
+                    dist.all_reduce(param.grad, group=group)
     allreduce_tied_embedding_grads(chunks, state, grad_of)
     allreduce_sequence_parallel_grads(chunks, state.tp_group, grad_of)

@@ -34,7 +34,8 @@ def build_stage_chunks(cfg, state, *, dtype=torch.float32, device=None, init_see
     partition = layer_partition(cfg)
     stages = par.pp * par.virtual_pp
     plan = DominoPlan.from_config(par)
-    ctx = TPContext(state.tp_group, par.sequence_parallel, dtype=dtype, device=device, cp_group=state.cp_group)
+    ctx = TPContext(state.tp_group, par.sequence_parallel, dtype=dtype, device=device, cp_group=state.cp_group,
+                    ep_group=state.ep_group)
     chunks = []
     for chunk in range(par.virtual_pp):
         stage = virtual_stage(state.pp_rank, chunk, par.pp)

@@ -10,6 +10,7 @@ Static state, per parameter held by the rank (its TP shard of its pipeline chunk
   it is all there at the peak; with one micro-batch only about one bucket is;
 - optimizer: fp32 master (4 B, only for 16-bit weights) + Adam's two moments (8 B; SGD momentum 4 B),
   divided by dp*cp under ZeRO >= 1.
+Mixture of experts: a rank holds its ep share of the experts, whose ZeRO shards span dp*cp/ep ranks (``moe.py``).
 
 Activations: the bytes autograd saves for backward, per micro-batch, counted tensor by tensor for
 OUR block rather than with Korthikanti et al.'s formula (34*s*b*h + 5*a*s^2*b bytes per layer for
@@ -28,6 +29,8 @@ t = tp, r = t under sequence parallelism else 1, a*d = query width, g*d = KV wid
                     new tensors: Q e*a*d/t and K e*g*d/t under RoPE, K and V e*a*d/t each when expanded
                     + e*a*d/t (SDPA output = projection input) + 4a/t (logsumexp)
     MLP             e*h (FC1 input) + GeLU 2e*f/t (FC1 output, activation output) or SwiGLU 4e*f/t
+    MoE             in place of the MLP: the router and k routed rows per token (``moe.py``), and the
+                    shared experts as an MLP of width moe_shared_experts * f
     dropout         a mask of h/r elements after attention and after the MLP: 1 byte each on CUDA
                     (a bool mask), e bytes on CPU (torch keeps a scaled mask of the input's dtype);
                     attention-probability dropout keeps no mask in flash attention (on CPU, SDPA with
@@ -65,10 +68,11 @@ from dataclasses import dataclass, replace
 from functools import cache, wraps
 
 from ..config.schema import Config, ModelConfig
-from ..models.counters import count_parameters, norm_parameters
+from ..models.counters import norm_parameters
 from ..pipeline.schedules import interleaved_warmup, schedule_kind, virtual_stage
 from ..pipeline.stages import layer_partition
 from .hardware import GPU
+from .moe import expert_replicas, layer_parameters, routed_activation_bytes
 
 GIB = 2**30
 
@@ -104,15 +108,15 @@ def weight_bytes(cfg: Config) -> int:
 
 
 def per_model_layout(fn):
-    """Memoise ``fn(cfg)``, a function of the model and its pipeline split only: a search asks for the same few
+    """Memoise ``fn(cfg)``, a function of the model, its pipeline split and tp / ep only: a search asks for the same few
     values thousands of times. Results are shared, so they are tuples."""
     results: dict = {}
 
     @wraps(fn)
     def memoised(cfg: Config):
         par = cfg.parallel
-        key = (tuple(vars(cfg.model).values()), par.tp, par.pp, par.virtual_pp, par.pipeline_partition,
-               tuple(par.pipeline_layout or ()))
+        model = tuple(tuple(v) if isinstance(v, list) else v for v in vars(cfg.model).values())  # moe_layer_freq
+        key = (model, par.tp, par.pp, par.ep, par.virtual_pp, par.pipeline_partition, tuple(par.pipeline_layout or ()))
         if key not in results:
             results[key] = fn(cfg)
         return results[key]
@@ -127,54 +131,58 @@ def stage_layers(cfg: Config) -> tuple:
 
 
 # ----- parameters --------------------------------------------------------------------------------
-def layer_parameters(model: ModelConfig, tp: int) -> float:
-    """One block's parameters on one TP rank: projections split by tp, norms and row-parallel biases replicated."""
-    full = count_parameters(replace(model, num_layers=1)) - count_parameters(replace(model, num_layers=0))
-    replicated = 2 * norm_parameters(model) + (2 * model.hidden_size if model.bias else 0)
-    return (full - replicated) / tp + replicated
-
-
 @per_model_layout
-def rank_parameters(cfg: Config) -> tuple[float, ...]:
-    """Parameters held by one TP rank of each pipeline rank (embedding on the first, head on the last)."""
+def rank_parameter_split(cfg: Config) -> tuple[tuple[float, float], ...]:
+    """(dense, expert) parameters held by one rank of each pipeline rank (embedding on the first, head on the last);
+    experts are those of its ep share (``moe.layer_parameters``)."""
     model, par = cfg.model, cfg.parallel
     partition = stage_layers(cfg)
     stages = par.pp * par.virtual_pp
     embedding = model.padded_vocab_size(par.tp) // par.tp * model.hidden_size
-    per_layer = layer_parameters(model, par.tp)
+    layer = cache(lambda i: layer_parameters(model, i, par.tp, par.ep))
     totals = []
     for rank in range(par.pp):
-        total = 0.0
+        dense = experts = 0.0
         for chunk in range(par.virtual_pp):
             stage = virtual_stage(rank, chunk, par.pp)
-            total += per_layer * len(partition[stage])
+            for i in partition[stage]:
+                dense, experts = dense + layer(i)[0], experts + layer(i)[1]
             if stage == 0:
-                total += embedding + (model.max_positions * model.hidden_size
+                dense += embedding + (model.max_positions * model.hidden_size
                                       if model.position_embedding == "learned" else 0)
             if stage == stages - 1:
-                total += norm_parameters(model)
+                dense += norm_parameters(model)
                 if not (model.tie_embeddings and stages == 1):
-                    total += embedding
-        totals.append(total)
+                    dense += embedding
+        totals.append((dense, experts))
     return tuple(totals)
 
 
-def static_bytes(cfg: Config, params: float, dp: int) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes for ``params`` parameters on one GPU; ZeRO shards over dp*cp."""
+@per_model_layout
+def rank_parameters(cfg: Config) -> tuple[float, ...]:
+    """Parameters held by one rank of each pipeline rank, dense and expert together."""
+    return tuple(dense + experts for dense, experts in rank_parameter_split(cfg))
+
+
+def static_bytes(cfg: Config, params: float, dp: int, experts: float = 0.0) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes for ``params`` parameters on one GPU, ``experts`` of them expert
+    parameters: ZeRO shards dense state over dp*cp and expert state over the expert-data-parallel group."""
     opt, e = cfg.optimizer, weight_bytes(cfg)
-    shards = dp * cfg.parallel.cp
-    zero = opt.zero_stage if shards > 1 else 0  # one replica: the shard is the whole (as the optimizer does)
     grad_e = 4 if opt.accumulate_grads_in_fp32 else e
-    full_grads = params * grad_e
-    if zero == 0:
-        grads = full_grads
-    elif zero == 1 or cfg.train.num_microbatches(dp) > 1:
-        grads = full_grads + full_grads / shards
-    else:
-        grads = min(full_grads, opt.bucket_size_mb * 2**20) + full_grads / shards
     moments = 8 if opt.name == "adamw" else (4 if opt.momentum > 0 else 0)
-    state = params * ((4 if e != 4 else 0) + moments)
-    return params * e, grads, state / shards if zero >= 1 else state
+    grads = state = bucketed = 0.0
+    for count, shards in ((params - experts, dp * cfg.parallel.cp), (experts, expert_replicas(cfg, dp))):
+        zero = opt.zero_stage if shards > 1 else 0  # one replica: the shard is the whole (as the optimizer does)
+        full_grads = count * grad_e
+        if zero == 0:
+            grads += full_grads
+        elif zero == 1 or cfg.train.num_microbatches(dp) > 1:
+            grads += full_grads + full_grads / shards
+        else:
+            grads, bucketed = grads + full_grads / shards, bucketed + full_grads
+        group_state = count * ((4 if e != 4 else 0) + moments)
+        state += group_state / shards if zero >= 1 else group_state
+    return params * e, grads + min(bucketed, opt.bucket_size_mb * 2**20), state
 
 
 # ----- activations -------------------------------------------------------------------------------
@@ -193,24 +201,42 @@ def _dropout_mask_bytes(cfg: Config, gpu: GPU) -> float:
     return (1 if gpu.is_cuda else weight_bytes(cfg)) * cfg.model.hidden_size / shard
 
 
-def layer_activation_bytes(cfg: Config, gpu: GPU) -> tuple[float, float, float]:
-    """(saved bytes per token of one block, of its attention phase, of its MLP phase) on one TP rank."""
+def _mlp_bytes(cfg: Config, width: int) -> float:
+    """Saved bytes per token of a dense MLP of ``width`` without its norm and mask (full recompute: fc2's input)."""
+    e, t = weight_bytes(cfg), cfg.parallel.tp
+    if cfg.model.recompute == "full":
+        return e * width / t
+    return e * cfg.model.hidden_size + (4 if cfg.model.activation == "swiglu" else 2) * e * width / t
+
+
+def _feed_forward_bytes(cfg: Config, moe: bool) -> float:
+    """The dense MLP's, or an MoE layer's: routed experts (``moe.py``) and the shared ones as a dense MLP."""
+    model = cfg.model
+    if not moe:
+        return _mlp_bytes(cfg, model.ffn_size)
+    shared = _mlp_bytes(cfg, model.moe_shared_experts * model.moe_ffn_size) if model.moe_shared_experts else 0.0
+    return routed_activation_bytes(cfg, weight_bytes(cfg)) + shared
+
+
+def layer_activation_bytes(cfg: Config, gpu: GPU, moe: bool = False) -> tuple[float, float, float]:
+    """(saved bytes per token of one block, of its attention phase, of its MLP phase) on one TP rank; ``moe``:
+    a block with experts."""
     model, par = cfg.model, cfg.parallel
     e, t = weight_bytes(cfg), par.tp
     r = t if par.sequence_parallel and t > 1 else 1
-    h, f, d = model.hidden_size, model.ffn_size, model.head_dim
+    h, d = model.hidden_size, model.head_dim
     a, g = model.num_attention_heads, model.query_groups
     rope = model.position_embedding == "rope"
     expanded = g < a and model.attention_backend == "efficient"  # K and V copied per query head
     mask = _dropout_mask_bytes(cfg, gpu)
     if model.recompute == "full":
-        total = 2 * e * h / r + e * a * d / t + e * f / t + 2 * mask
+        total = 2 * e * h / r + e * a * d / t + _feed_forward_bytes(cfg, moe) + 2 * mask
         return total, 0.0, 0.0
     qkv_storage = 0.0 if (rope and expanded) else e * (a + 2 * g) * d / t  # some of Q, K, V is a view of it
     new_qkv = e * d / t * (a * int(rope) + (2 * a if expanded else g * int(rope)))
     logsumexp = 0.0 if model.recompute == "selective" else 4 * a / t
     attention = _norm_bytes(model, r, gpu) + e * h + qkv_storage + new_qkv + e * a * d / t + logsumexp + mask
-    mlp = _norm_bytes(model, r, gpu) + e * h + (4 if model.activation == "swiglu" else 2) * e * f / t + mask
+    mlp = _norm_bytes(model, r, gpu) + _feed_forward_bytes(cfg, moe) + mask
     return attention + mlp, attention, mlp
 
 
@@ -218,16 +244,18 @@ def _recompute_working_bytes(cfg: Config, gpu: GPU) -> float:
     """Full recompute rebuilds one phase of one layer in backward: that phase's activations, per token."""
     plain = replace(cfg, model=replace(cfg.model, recompute="none"))
     _, attention, mlp = layer_activation_bytes(plain, gpu)
-    return max(attention, mlp)
+    return max(attention, mlp, layer_activation_bytes(plain, gpu, moe=True)[2] if cfg.model.num_experts else 0.0)
 
 
-def chunk_activation_bytes(cfg: Config, gpu: GPU, layers: int, first: bool, last: bool) -> float:
-    """Saved bytes per token of one model chunk holding ``layers`` blocks (and the embedding / head)."""
+def chunk_activation_bytes(cfg: Config, gpu: GPU, layers: int, first: bool, last: bool, moe_layers: int = 0) -> float:
+    """Saved bytes per token of one model chunk holding ``layers`` blocks, ``moe_layers`` of them with experts (and
+    the embedding / head)."""
     model, par = cfg.model, cfg.parallel
     e, t = weight_bytes(cfg), par.tp
     r = t if par.sequence_parallel and t > 1 else 1
     h = model.hidden_size
-    total = layers * layer_activation_bytes(cfg, gpu)[0]
+    total = (layers - moe_layers) * layer_activation_bytes(cfg, gpu)[0]
+    total += moe_layers * layer_activation_bytes(cfg, gpu, moe=True)[0] if moe_layers else 0.0
     if layers and model.position_embedding == "rope":
         total += 8 * model.head_dim
     if first:
@@ -283,12 +311,13 @@ def estimate_stages(cfg: Config, dp: int, gpu: GPU) -> list[StageMemory]:
     if cfg.model.recompute == "full":
         attention += _recompute_working_bytes(cfg, gpu)
     flights = in_flight(cfg, dp)
-    chunk_bytes = cache(lambda layers, first, last: chunk_activation_bytes(cfg, gpu, layers, first, last))
+    chunk_bytes = cache(lambda layers, first, last: chunk_activation_bytes(
+        cfg, gpu, len(layers), first, last, sum(map(cfg.model.is_moe_layer, layers))))
     result = []
-    for rank, params in enumerate(rank_parameters(cfg)):
-        weights, grads, optimizer = static_bytes(cfg, params, dp)
+    for rank, (dense, experts) in enumerate(rank_parameter_split(cfg)):
+        weights, grads, optimizer = static_bytes(cfg, dense + experts, dp, experts)
         chunks = [virtual_stage(rank, c, par.pp) for c in range(par.virtual_pp)]
-        per_unit = max(chunk_bytes(len(partition[s]), s == 0, s == stages - 1) for s in chunks)
+        per_unit = max(chunk_bytes(tuple(partition[s]), s == 0, s == stages - 1) for s in chunks)
         transient = max(attention, loss_transient_bytes(cfg) if stages - 1 in chunks else 0.0)
         result.append(StageMemory(rank, weights, grads, optimizer, flights[rank] * per_unit * tokens,
                                   transient * tokens, gpu.overhead_gib * GIB, flights[rank]))

@@ -1,35 +1,43 @@
-"""The planner's ranked table, as plain text a person can paste into a note."""
+"""The planner's ranked table, as plain text a person can paste into a note.
+
+MoE models get two more columns, ep and the exposed all-to-all time; a dense model's table has neither."""
 from __future__ import annotations
 
 from .memory import GIB
 from .search import Estimate
 
-def _header(unit: str) -> str:
-    return (f"   #  tp  cp  pp   dp   v mbs recompute zero tp-comm   | {unit}/GPU = params  grads  optim    act"
-            "  other |  step s  bubble  tp-exp  cp-exp   pp+dp |   tokens/s   MFU")
+
+def _header(unit: str, moe: bool) -> str:
+    return (f"   #  tp  cp  pp   dp {'  ep ' if moe else ''}  v mbs recompute zero tp-comm   | {unit}/GPU = params  "
+            f"grads  optim    act  other |  step s  bubble  tp-exp  cp-exp {' ep-a2a ' if moe else ''}  pp+dp |   "
+            "tokens/s   MFU")
 
 
-def format_row(index: int, est: Estimate, scale: float = GIB) -> str:
+def format_row(index: int, est: Estimate, scale: float = GIB, moe: bool = False) -> str:
     lay, mem, time = est.layout, est.memory, est.time
     other = mem.transient + mem.overhead
     fit = "" if est.fits else "  OOM"
-    return (f"{index:>4} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.dp:>4} {lay.virtual_pp:>3} {lay.micro_batch:>3} "
+    ep = f"{lay.ep:>4} " if moe else ""
+    a2a = f"{time.ep_exposed:>7.3g} " if moe else ""
+    return (f"{index:>4} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.dp:>4} {ep}{lay.virtual_pp:>3} {lay.micro_batch:>3} "
             f"{lay.recompute:<9} {lay.zero_stage:>4} {lay.tp_mode:<9} | {mem.total / scale:>7.1f} = "
             f"{mem.params / scale:>6.1f} {mem.grads / scale:>6.1f} {mem.optimizer / scale:>6.1f} "
             f"{mem.activations / scale:>6.1f} {other / scale:>6.1f} | {time.total:>7.4g} {time.bubble:>7.3g} "
-            f"{time.tp_exposed:>7.3g} {time.cp_exposed:>7.3g} {time.pp_comm + time.dp_exposed:>7.3g} | "
+            f"{time.tp_exposed:>7.3g} {time.cp_exposed:>7.3g} {a2a}{time.pp_comm + time.dp_exposed:>7.3g} | "
             f"{est.tokens_per_s:>10,.0f} {est.mfu:>5.1%}{fit}")
 
 
-def format_table(estimates: list[Estimate], shown: list[Estimate]) -> str:
-    """``shown`` (the first ranked ``estimates``) one line each, under a header (MiB for tiny models)."""
+def format_table(estimates: list[Estimate], shown: list[Estimate], moe: bool = False) -> str:
+    """``shown`` (the first ranked ``estimates``) one line each, under a header (MiB for tiny models); ``moe``
+    adds the expert-parallel columns."""
     fitting = sum(e.fits for e in estimates)
     scale, unit = (GIB, "GiB") if any(e.memory.total >= GIB for e in shown) else (2**20, "MiB")
     lines = [f"{len(estimates)} valid layouts, {fitting} fit in memory"
-             + ("" if fitting else " (none fit: the nearest misses follow)") + ".", _header(unit)]
-    lines += [format_row(i + 1, est, scale) for i, est in enumerate(shown)]
+             + ("" if fitting else " (none fit: the nearest misses follow)") + ".", _header(unit, moe)]
+    lines += [format_row(i + 1, est, scale, moe) for i, est in enumerate(shown)]
     lines.append(f"{unit}/GPU: the pipeline rank with the most memory; other = transient peaks + fixed overhead. "
                  "tp-comm: domino = TP all-reduces overlapped by Domino, sp = sequence parallel "
                  "(sp+domino: both), - = no TP. cp-exp: ring attention's K/V transfers not hidden behind "
-                 "attention. Times in seconds per step.")
+                 "attention." + (" ep: expert-parallel size; ep-a2a: its token all-to-alls (exposed)." if moe else "")
+                 + " Times in seconds per step.")
     return "\n".join(lines)

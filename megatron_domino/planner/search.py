@@ -1,8 +1,9 @@
 """Enumerate every valid layout for a cluster, estimate each, and rank them.
 
 A layout is (tp, cp, pp, dp, virtual pp, micro batch, recompute, ZeRO stage) plus how TP communicates:
-Domino's overlap, sequence parallelism, or both. Context-parallel sizes are those whose 2*cp chunks split
-the sequence evenly (ring attention's load balance). ``validate_config`` (without file checks) passes
+Domino's overlap, sequence parallelism, or both, and for an MoE model the expert-parallel size ep. Context-parallel
+sizes are those whose 2*cp chunks split the sequence evenly (ring attention's load balance); ep sizes divide dp and
+the number of experts. ``validate_config`` (without file checks) passes
 one layout of each (tp, cp, pp) and every layout shown or emitted, so the planner never suggests a
 layout the trainer would refuse. Ranking: layouts that fit first, fastest first (ties within 3 significant digits go
 to the one with less memory); then the ones that do not fit, smallest memory first (the nearest
@@ -37,6 +38,7 @@ class Layout:
     sequence_parallel: bool
     domino: bool
     cp: int = 1
+    ep: int = 1  # expert parallel: data-parallel ranks that share out the experts (MoE models only)
 
     @property
     def world_size(self) -> int:
@@ -52,14 +54,15 @@ class Layout:
         """The layout as ``section.key=value`` overrides for the loader and the entry points."""
         flag = lambda v: "true" if v else "false"  # noqa: E731
         return [f"parallel.tp={self.tp}", f"parallel.cp={self.cp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}",
-                f"parallel.virtual_pp={self.virtual_pp}", f"parallel.sequence_parallel={flag(self.sequence_parallel)}",
+                f"parallel.ep={self.ep}", f"parallel.virtual_pp={self.virtual_pp}",
+                f"parallel.sequence_parallel={flag(self.sequence_parallel)}",
                 f"parallel.domino={flag(self.domino)}", f"train.micro_batch_size={self.micro_batch}",
                 f"model.recompute={self.recompute}", f"optimizer.zero_stage={self.zero_stage}"]
 
     def apply(self, cfg: Config) -> Config:
         return _updated(cfg,
                         model=_updated(cfg.model, recompute=self.recompute),
-                        parallel=_updated(cfg.parallel, tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp,
+                        parallel=_updated(cfg.parallel, tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep,
                                           virtual_pp=self.virtual_pp, sequence_parallel=self.sequence_parallel,
                                           domino=self.domino, pipeline_layout=None),
                         train=_updated(cfg.train, micro_batch_size=self.micro_batch),
@@ -84,7 +87,7 @@ class Estimate:
     mfu: float
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -111,10 +114,10 @@ def candidate_layouts(cfg: Config, world_size: int, only: dict[str, Iterable] | 
     allowed = lambda key, value: key not in only or value in only[key]  # noqa: E731
     layers, seq, schedule = cfg.model.num_layers, cfg.model.seq_length, cfg.parallel.pipeline_schedule
     found = []
-    for tp in [t for t in _divisors(world_size) if t <= MAX_TP and allowed("tp", t)]:
-        for cp in [c for c in _divisors(world_size // tp) if (c == 1 or seq % (2 * c) == 0) and allowed("cp", c)]:
-            for pp in [p for p in _divisors(world_size // (tp * cp)) if p <= layers and allowed("pp", p)]:
-                virtual = [1] if pp == 1 else [v for v in _divisors(layers // pp) if schedule is None
+    for tp in [t for t in divisors(world_size) if t <= MAX_TP and allowed("tp", t)]:
+        for cp in [c for c in divisors(world_size // tp) if (c == 1 or seq % (2 * c) == 0) and allowed("cp", c)]:
+            for pp in [p for p in divisors(world_size // (tp * cp)) if p <= layers and allowed("pp", p)]:
+                virtual = [1] if pp == 1 else [v for v in divisors(layers // pp) if schedule is None
                                                or (v > 1) == (schedule == "interleaved")]
                 variants = [lay for v in virtual if allowed("virtual_pp", v)
                             for lay in _variants(cfg, tp, cp, pp, world_size // (tp * cp * pp), v, allowed)]
@@ -134,8 +137,10 @@ def _variants(cfg: Config, tp: int, cp: int, pp: int, dp: int, v: int, allowed) 
     # One replica: the ZeRO stage is moot. Several micro-batches: ZeRO-2 keeps whole gradients all step and
     # would repeat ZeRO-1's row, so it is not estimated (``_without_equal_zero_stages`` drops other repeats).
     stages = [z for z in (ZERO_STAGES if dp * cp > 1 else (cfg.optimizer.zero_stage,)) if allowed("zero_stage", z)]
-    return [Layout(tp, pp, dp, v, b, recompute, zero, sp, domino, cp)
-            for b, (sp, domino), recompute, zero in product(micro, modes, RECOMPUTE, stages)
+    experts = cfg.model.num_experts or 1  # a dense model: ep 1 only
+    eps = [ep for ep in divisors(dp) if experts % ep == 0 and allowed("ep", ep)]
+    return [Layout(tp, pp, dp, v, b, recompute, zero, sp, domino, cp, ep)
+            for b, (sp, domino), recompute, zero, ep in product(micro, modes, RECOMPUTE, stages, eps)
             if allowed("recompute", recompute) and not (zero == 2 and 1 in stages and batch // (b * dp) > 1)]
 
 

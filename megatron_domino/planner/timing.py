@@ -2,12 +2,12 @@
 
 A first-order model for ranking layouts, not a simulator. Assumptions, each a knob where it is a guess:
 
-Compute. ``counters.flops_per_token`` (forward + backward, attention over the full s x s square) per
-token, at ``efficiency`` (default 0.5) of the GPU's dense peak. Full recompute re-runs each block's
-forward (+1/3 of the block's FLOPs); selective recompute re-runs attention's score and weighted sum
-(4*s*a*d per token and layer). A context-parallel rank computes s/cp tokens of each sequence, each still
-attending over the whole causal prefix: 1/cp of every FLOP, attention included. The slowest pipeline
-rank (most layers, plus the output head on the last) sets the pace; every rank waits for it.
+Compute. ``counters.flops_per_token`` (forward + backward, attention over the full s x s square; MoE
+layers: their active experts) per token, at ``efficiency`` (default 0.5) of the GPU's dense peak. Full
+recompute re-runs each block's forward (+1/3 of the block's FLOPs); selective recompute re-runs attention's
+score and weighted sum (4*s*a*d per token and layer). A context-parallel rank computes s/cp tokens of each
+sequence, each still attending over the whole causal prefix: 1/cp of every FLOP, attention included. The
+slowest pipeline rank (most layers, plus the output head on the last) sets the pace; every rank waits for it.
 
 Tensor parallelism. Each block runs 2 all-reduces of the [micro batch, s/cp, h] activations forward and
 2 backward (sequence parallelism: an all-gather and a reduce-scatter in place of each, the same
@@ -39,8 +39,12 @@ Pipeline. 1F1B's bubble is (pp - 1) / virtual_pp micro-batch times (Narayanan et
 micro-batch crosses virtual_pp stage boundaries, receiving its activation forward and its gradient
 backward ([micro batch, s / cp / (tp if SP), h] per rank), fully exposed.
 
+Expert parallelism (MoE, ``moe.py``). The all-to-alls that carry tokens to their experts' ranks and back, on
+the slowest pipeline rank's MoE layers, at the ep group's link (ep consecutive dp ranks), fully exposed.
+
 Data parallelism. Once per step: all-reduce of the gradients (ZeRO-0), or reduce-scatter of the
-gradients then all-gather of the updated weights (ZeRO-1/2), over the dp x cp group and its link. With
+gradients then all-gather of the updated weights (ZeRO-1/2), over the dp x cp group and its link (expert
+parameters: over their dp*cp/ep replicas, every ep-th dp rank, and that group's link). With
 ``optimizer.overlap_grad_reduce`` the gradient reduction overlaps the last micro-batch's backward
 (at most its length); the weight all-gather follows the optimizer step and is exposed. The optimizer
 step itself (memory bound) is not counted.
@@ -56,7 +60,8 @@ from ..models.counters import flops_per_token
 from ..parallel.topology import Topology
 from ..pipeline.schedules import virtual_stage
 from .hardware import GPU
-from .memory import per_model_layout, rank_parameters, stage_layers, weight_bytes
+from .memory import per_model_layout, rank_parameter_split, stage_layers, weight_bytes
+from .moe import all_to_all_seconds, expert_replicas
 
 
 @dataclass(frozen=True)
@@ -77,19 +82,27 @@ class StepTime:
     cp_exposed: float  # ring attention's K/V transfers not hidden behind block attention
     cp_hidden: float  # ring transfers hidden (not in total)
     pp_comm: float  # stage-to-stage transfers
+    ep_exposed: float  # the MoE token all-to-alls of expert parallelism (never hidden)
     dp_exposed: float  # DP reduction and weight gather not overlapped
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tp_exposed + self.cp_exposed + self.pp_comm + self.dp_exposed
+        return (self.compute + self.bubble + self.tp_exposed + self.cp_exposed + self.pp_comm + self.ep_exposed
+                + self.dp_exposed)
 
 
 @lru_cache(maxsize=4096)
-def _inside_one_node(sizes: tuple[int, int, int, int], order: str, axes: tuple[str, ...], gpus_per_node: int) -> bool:
-    """Whether rank 0's group along ``axes`` of a tp x cp x pp x dp grid (``sizes``) lies inside one node."""
-    tp, cp, pp, dp = sizes
-    topology = Topology(tp * cp * pp * dp, tp, pp, dp, 1, order, cp=cp)
-    members = [topology.rank_of(**dict(zip(axes, at))) for at in product(*(range(topology.sizes[a]) for a in axes))]
+def _inside_one_node(sizes: tuple[int, int, int, int, int], order: str, group: tuple[str, ...],
+                     gpus_per_node: int) -> bool:
+    """Whether rank 0's group of a tp x cp x pp x dp grid with expert-parallel size ep (``sizes``) lies inside one
+    node: the group along the axes ``group`` names, or ``("ep",)`` / ``("expert_dp",)``, Topology's expert groups."""
+    tp, cp, pp, dp, ep = sizes
+    topology = Topology(tp * cp * pp * dp, tp, pp, dp, 1, order, cp=cp, ep=ep)
+    if group in (("ep",), ("expert_dp",)):
+        members = getattr(topology, f"{group[0]}_groups")()[0]  # sorted: the first holds rank 0
+    else:
+        coordinates = product(*(range(topology.sizes[axis]) for axis in group))
+        members = [topology.rank_of(**dict(zip(group, at))) for at in coordinates]
     return len({rank // gpus_per_node for rank in members}) == 1
 
 
@@ -97,21 +110,32 @@ def _all_reduce(nbytes: float, ranks: int, bandwidth: float) -> float:
     return 2 * (ranks - 1) / ranks * nbytes / bandwidth if ranks > 1 else 0.0
 
 
+def _rank_layers(cfg: Config, rank: int) -> list[int]:
+    """The global layers pipeline rank ``rank`` runs, over its model chunks."""
+    partition = stage_layers(cfg)
+    return [i for c in range(cfg.parallel.virtual_pp) for i in partition[virtual_stage(rank, c, cfg.parallel.pp)]]
+
+
 @per_model_layout
 def _rank_flops_per_token(cfg: Config) -> tuple[float, ...]:
-    """Training FLOPs per token that each pipeline rank computes, summed over its TP ranks (recompute included)."""
+    """Training FLOPs per token that each pipeline rank computes, summed over its TP ranks (recompute included);
+    an MoE layer counts its active experts (``counters.flops_per_token``)."""
     model, par = cfg.model, cfg.parallel
     s = model.seq_length
     head = flops_per_token(replace(model, num_layers=0), s)
-    per_layer = (flops_per_token(model, s) - head) / model.num_layers
     attention = (flops_per_token(model, s) - flops_per_token(model, 0)) / model.num_layers
-    per_layer += {"full": per_layer / 3, "selective": attention / 3}.get(model.recompute, 0.0)
-    partition = stage_layers(cfg)
+
+    def layer(moe: bool) -> float:
+        flops = flops_per_token(replace(model, num_layers=1, moe_layer_freq=[int(moe)]), s) - head
+        return flops + {"full": flops / 3, "selective": attention / 3}.get(model.recompute, 0.0)
+
+    per_layer = {moe: layer(moe) for moe in (False, True)}
     last = par.pp * par.virtual_pp - 1
     totals = []
     for rank in range(par.pp):
         stages = [virtual_stage(rank, c, par.pp) for c in range(par.virtual_pp)]
-        totals.append(sum(len(partition[st]) for st in stages) * per_layer + (head if last in stages else 0.0))
+        layers = sum(per_layer[model.is_moe_layer(i)] for i in _rank_layers(cfg, rank))
+        totals.append(layers + (head if last in stages else 0.0))
     return tuple(totals)
 
 
@@ -143,11 +167,11 @@ def estimate_step_time(cfg: Config, dp: int, gpu: GPU, gpus_per_node: int,
                        assumptions: TimingAssumptions = TimingAssumptions()) -> StepTime:
     """Seconds per step of the layout in ``cfg`` with data-parallel size ``dp`` (see the module docstring)."""
     model, par, train = cfg.model, cfg.parallel, cfg.train
-    sizes = (par.tp, par.cp, par.pp, dp)
+    sizes = (par.tp, par.cp, par.pp, dp, par.ep)
 
-    def link(*axes: str) -> float:
-        """Bandwidth (bytes/s) of a group along ``axes``: NVLink when it lies inside one node."""
-        inside = _inside_one_node(sizes, par.order, axes, gpus_per_node)
+    def link(*group: str) -> float:
+        """Bandwidth (bytes/s) of a group (see ``_inside_one_node``): NVLink when it lies inside one node."""
+        inside = _inside_one_node(sizes, par.order, group, gpus_per_node)
         return 1e9 * (gpu.intra_node_gbps if inside else gpu.inter_node_gbps)
     e, m = weight_bytes(cfg), train.num_microbatches(dp)
     tokens = train.micro_batch_size * model.seq_length / par.cp  # this rank's part of the micro-batch
@@ -157,36 +181,41 @@ def estimate_step_time(cfg: Config, dp: int, gpu: GPU, gpus_per_node: int,
     flops = _rank_flops_per_token(cfg)
     slowest = max(range(par.pp), key=lambda r: flops[r])
     compute_mb = flops[slowest] * tokens / par.tp / (gpu.peak_tflops * 1e12 * assumptions.efficiency)
-    partition = stage_layers(cfg)
-    layers = sum(len(partition[virtual_stage(slowest, c, par.pp)]) for c in range(par.virtual_pp))
+    layers = _rank_layers(cfg, slowest)
     reductions = 4 + (1 if sp and model.recompute == "full" else 0)
-    tp_mb = layers * reductions * _all_reduce(activation, par.tp, link("tp"))
+    tp_mb = len(layers) * reductions * _all_reduce(activation, par.tp, link("tp"))
     hidden = _domino_hidden_share(cfg, assumptions)
     pp_mb = 0.0
     if par.pp > 1:
         transfer = activation / (par.tp if sp else 1) / link("pp")
         pp_mb = 2 * par.virtual_pp * transfer
-    cp_exposed, cp_hidden = (layers * x for x in _ring_attention(cfg, gpu, link("cp"), assumptions))
-    per_microbatch = compute_mb + (1 - hidden) * tp_mb + cp_exposed + pp_mb
+    cp_exposed, cp_hidden = (len(layers) * x for x in _ring_attention(cfg, gpu, link("cp"), assumptions))
+    ep_mb = 0.0
+    if par.ep > 1:
+        moe_layers = sum(model.is_moe_layer(i) for i in layers)
+        ep_mb = all_to_all_seconds(cfg, moe_layers, e, link("ep"))
+    per_microbatch = compute_mb + (1 - hidden) * tp_mb + cp_exposed + pp_mb + ep_mb
 
-    dp_exposed = 0.0
-    replicas = dp * par.cp  # context-parallel ranks reduce their gradients with the data-parallel ones
-    if replicas > 1:
-        params = max(rank_parameters(cfg))
-        bandwidth = link("dp", "cp")
-        grad_bytes = params * (4 if cfg.optimizer.accumulate_grads_in_fp32 else e)
+    # context-parallel ranks reduce their gradients with the data-parallel ones; experts with their replicas only
+    dense, experts = max(rank_parameter_split(cfg), key=sum)
+    reduce = gather = 0.0
+    for params, replicas, spans in ((dense, dp * par.cp, ("dp", "cp")),
+                                    (experts, expert_replicas(cfg, dp), ("expert_dp",))):
+        if replicas == 1 or params == 0:
+            continue
+        bandwidth = link(*spans)
+        grads = _all_reduce(params * (4 if cfg.optimizer.accumulate_grads_in_fp32 else e), replicas, bandwidth)
         if cfg.optimizer.zero_stage == 0:
-            reduce, gather = _all_reduce(grad_bytes, replicas, bandwidth), 0.0
+            reduce += grads
         else:
-            reduce = _all_reduce(grad_bytes, replicas, bandwidth) / 2
-            gather = _all_reduce(params * e, replicas, bandwidth) / 2
-        overlap = min(reduce, compute_mb * 2 / 3) if cfg.optimizer.overlap_grad_reduce else 0.0
-        dp_exposed = reduce - overlap + gather
+            reduce += grads / 2
+            gather += _all_reduce(params * e, replicas, bandwidth) / 2
+    overlap = min(reduce, compute_mb * 2 / 3) if cfg.optimizer.overlap_grad_reduce else 0.0
 
     return StepTime(compute=m * compute_mb, bubble=(par.pp - 1) / par.virtual_pp * per_microbatch,
                     tp_exposed=m * (1 - hidden) * tp_mb, tp_hidden=m * hidden * tp_mb,
                     cp_exposed=m * cp_exposed, cp_hidden=m * cp_hidden, pp_comm=m * pp_mb,
-                    dp_exposed=dp_exposed)
+                    ep_exposed=m * ep_mb, dp_exposed=reduce - overlap + gather)
 
 
 def model_flops_per_step(cfg: Config) -> float:

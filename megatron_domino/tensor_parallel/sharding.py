@@ -47,6 +47,7 @@ class ParamInfo:
     sequence_parallel: bool = False  # fed a different sequence slice per TP rank: gradients sum over TP
     vocab_rows: int | None = None  # rows past this are vocabulary padding (zero, never trained)
     tied_to: str | None = None  # a copy of this global parameter (a tied output head on another stage)
+    expert: bool = False  # an expert's: replicated over the expert-data-parallel group, not all of dp
 
     def full_shape(self, local_shape) -> tuple[int, ...]:
         """The shape of the full tensor (vocabulary padding included) whose TP slice has ``local_shape``."""

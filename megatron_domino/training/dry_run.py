@@ -45,11 +45,15 @@ def _rank_map(topology: Topology, gpus_per_node: int) -> list[str]:
 
 
 def _groups(topology: Topology, gpus_per_node: int) -> list[str]:
-    """One line per kind of group; the gradient group (dp x cp) only when it differs from data parallel."""
+    """One line per kind of group; the gradient group (dp x cp) only when it differs from data parallel, the expert
+    groups only under expert parallelism."""
     kinds = [("tensor parallel", topology.tp_groups()), ("context parallel (ring order)", topology.cp_groups()),
              ("data parallel", topology.dp_groups())]
     if topology.cp > 1:
         kinds.append(("gradients and ZeRO (data x context parallel)", topology.dp_cp_groups()))
+    if topology.ep > 1:
+        kinds += [("expert parallel (token all-to-all)", topology.ep_groups()),
+                  ("expert gradients and ZeRO (expert replicas)", topology.expert_dp_groups())]
     kinds += [("pipeline (stage order)", topology.pp_groups()),
               ("embedding (first + last stage)", topology.embedding_groups())]
     lines = ["groups:"]

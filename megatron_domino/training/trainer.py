@@ -71,7 +71,9 @@ class Trainer:
         self.optimizer = DistributedOptimizer(self.chunks, cfg.optimizer, dp_group=self.state.dp_cp_group,
                                               tp_rank=self.state.tp_rank,
                                               norm_groups=[self.state.tp_group, self.state.pp_group],
-                                              fp16=train.fp16, bf16=train.bf16, bucket_alone=(WORD_EMBEDDINGS,))
+                                              fp16=train.fp16, bf16=train.bf16, bucket_alone=(WORD_EMBEDDINGS,),
+                                              expert_dp_group=self.state.expert_dp_group,
+                                              ep_group=self.state.ep_group)
         self.schedule = LRSchedule.from_config(cfg.optimizer, train.steps)
         self.num_microbatches = train.num_microbatches(self.state.dp_size)
         self.engine = PipelineEngine(self.chunks, self.state, cfg, device=self.device, dtype=self.dtype,

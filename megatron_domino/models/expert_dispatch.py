@@ -1,0 +1,84 @@
+"""Expert parallelism: each token row travels to the rank that holds its expert, and its output comes back.
+
+Expert-parallel rank j of ep holds experts [j * L, (j + 1) * L), L = num_experts / ep. One MoE forward:
+
+1. **counts**: every rank tells every peer how many of its rows go to each of that peer's experts (an
+   ``all_to_all_single`` of an int64 [E] device tensor), read on the host: the sizes of the next exchange.
+2. **dispatch**: the rows, sorted by global expert, go out with ``all_to_all_single`` and variable splits.
+   They arrive grouped by source rank, then by local expert; one host-computed permutation regroups them
+   by local expert (each expert's rows: source 0's first, each source's in its token order).
+3. **combine**: the experts' outputs, in that order, are permuted back and return by the reverse exchange.
+
+Backward of an exchange is the exchange with the splits swapped. Every member of the group issues the
+same collectives in the same order (the pipeline schedule and the Domino order are the same on every
+data-parallel rank), on device tensors, as NCCL requires. Without EP (``group`` None) nothing moves.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import comm
+
+
+def _exchange(x: torch.Tensor, send: list[int], receive: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(receive),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), receive, send, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows [sum(send), ...] out, [sum(receive), ...] in; backward sends the gradients home."""
+
+    @staticmethod
+    def forward(ctx, x, send, receive, group):
+        ctx.send, ctx.receive, ctx.group = send, receive, group
+        return _exchange(x, send, receive, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _exchange(grad, ctx.receive, ctx.send, ctx.group), None, None, None
+
+
+class ExpertExchange:
+    """One routing group's token exchange over the expert-parallel ``group``, built from this rank's rows per
+    global expert (``sizes``, host ints, rows sorted by expert). ``local_sizes``: rows per local expert after
+    the dispatch."""
+
+    def __init__(self, sizes: list[int], group, device):
+        self.group, ep = group, comm.group_size(group)
+        local = len(sizes) // ep
+        self.send = [sum(sizes[j * local:(j + 1) * local]) for j in range(ep)]
+        if ep == 1:
+            self.receive, self.local_sizes, self.order = self.send, sizes, None
+            return
+        counts = torch.tensor(sizes, dtype=torch.int64, device=device)
+        arrived = torch.empty_like(counts)
+        dist.all_to_all_single(arrived, counts, group=group)
+        per_source = arrived.view(ep, local)
+        host = per_source.tolist()  # [source][local expert]: the host sync that sizes the exchange
+        self.receive = [sum(row) for row in host]
+        self.local_sizes = [sum(row[e] for row in host) for e in range(local)]
+        # arrived row k of segment (source j, expert e) -> position in segment (expert e, source j) order
+        starts = (per_source.flatten().cumsum(0) - per_source.flatten()).view(ep, local).t().flatten()
+        lengths = per_source.t().flatten()
+        regrouped_starts = lengths.cumsum(0) - lengths
+        total = sum(self.receive)
+        self.order = (torch.arange(total, device=device)
+                      + torch.repeat_interleave(starts - regrouped_starts, lengths, output_size=total))
+        self.home = torch.empty_like(self.order)
+        self.home[self.order] = torch.arange(total, device=device)
+
+    def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's rows, sorted by global expert -> the rows its local experts received, grouped by expert
+        (``local_sizes`` of each)."""
+        if self.order is None:
+            return rows
+        return _AllToAll.apply(rows, self.send, self.receive, self.group).index_select(0, self.order)
+
+    def combine(self, rows: torch.Tensor) -> torch.Tensor:
+        """The local experts' output rows, grouped as ``dispatch`` left them -> the outputs of this rank's rows,
+        sorted by global expert."""
+        if self.order is None:
+            return rows
+        return _AllToAll.apply(rows.index_select(0, self.home), self.receive, self.send, self.group)

@@ -1,0 +1,49 @@
+"""A rank's experts applied to their rows: a loop of GEMMs, or one grouped GEMM per projection.
+
+Rows arrive grouped by local expert (``sizes`` of each). The loop runs one ``F.linear`` per expert. The
+grouped form (``model.moe_grouped_gemm``) stacks the experts' weights into [E, out, in] and runs torch's
+``grouped_mm`` once; CUDA's fast kernel needs bf16 on sm90+, elsewhere torch loops inside. Its backward
+stacks the weights again instead of keeping the stack: autograd would otherwise hold a copy of every
+local expert's weights per layer and micro-batch in flight. Biases (gate-weighted partials under TP, so
+divided by tp) are added per row after the product.
+"""
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+
+# torch's grouped GEMM: public since 2.9, private before
+grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """rows [n, in] grouped by expert (``ends``: cumulative sizes, int32) times each expert's weight [out, in]."""
+
+    @staticmethod
+    def forward(ctx, rows, ends, *weights):
+        ctx.save_for_backward(rows, ends, *weights)  # the parameters themselves, not their stack
+        return grouped_mm(rows, torch.stack(weights).transpose(-2, -1), offs=ends)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, ends, *weights = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_rows = grouped_mm(grad, torch.stack(weights), offs=ends) if ctx.needs_input_grad[0] else None
+        grad_weights = grouped_mm(grad.t(), rows, offs=ends).unbind(0)  # groups along the contracted rows
+        return grad_rows, None, *grad_weights
+
+
+def experts_linear(rows: torch.Tensor, sizes: list[int], linears: list, grouped: bool,
+                   bias_divisor: int = 1) -> torch.Tensor:
+    """Expert e's ``linears[e]`` on its ``sizes[e]`` rows, for every local expert: [n, out]."""
+    if not grouped or rows.shape[0] == 0:  # grouped_mm refuses an empty operand
+        return torch.cat([F.linear(part, linear.weight, None if linear.bias is None else linear.bias / bias_divisor)
+                          for part, linear in zip(rows.split(sizes), linears)])
+    ends = torch.tensor(list(accumulate(sizes)), dtype=torch.int32).to(rows.device)
+    out = _GroupedLinear.apply(rows, ends, *(linear.weight for linear in linears))
+    if linears[0].bias is None:
+        return out
+    expert_of_row = torch.repeat_interleave(torch.tensor(sizes).to(rows.device), output_size=rows.shape[0])
+    return out + (torch.stack([linear.bias for linear in linears]) / bias_divisor)[expert_of_row]

@@ -1,0 +1,160 @@
+"""Expert parallelism trains like one process: ep 2 and ep 4 against plain SGD on the whole batch (fp32, dropless
+except one layout, 6 steps, auxiliary losses on): losses, every weight and every step's gradient norm, alone and
+at tp2·pp2·dp2·ep2 with Domino; ZeRO-0/1/2 over the expert-data-parallel group. The token exchange keeps NCCL's
+rules (every member's sends meet its peers' receives); the trainer resumes an MoE checkpoint at other ep sizes;
+bad ep values are refused before any process group starts.
+
+The one-process reference is ``tests.test_moe._reference``: tokens routed per micro-batch (per Domino mu-chunk
+under the row split), the engine's objective. Data-parallel rank r trains samples [r·B/dp, (r+1)·B/dp).
+"""
+from dataclasses import replace
+
+import pytest
+import torch.distributed as dist
+
+from megatron_domino.config import ConfigError, validate_config
+from megatron_domino.config.loader import load_config
+from tests.harness import run_ranks
+from tests.parity import assert_same_run, layout_config, train_steps
+from tests.test_moe import GPT_MOE, LLAMA_MOE, _reference
+from tests.test_pipeline import GLOBAL_BATCH, MICRO_BATCH
+from tests.test_zero_bubble import LR, OPT, _batches
+from tests.training_runs import REPO, TINY
+
+DROPLESS_LLAMA = replace(LLAMA_MOE, moe_capacity_factor=None)
+
+
+def _config(model, zero=1, **parallel):
+    return layout_config(model, MICRO_BATCH, GLOBAL_BATCH, replace(OPT, zero_stage=zero), **parallel)
+
+
+def _microbatches(model):
+    def steps(state):
+        per_rank = GLOBAL_BATCH // state.dp_size
+        for batch in _batches(model):
+            mine = [t[state.dp_rank * per_rank:(state.dp_rank + 1) * per_rank] for t in batch]
+            yield [{"tokens": t, "labels": lab, "loss_mask": m} for t, lab, m in
+                   zip(*(part.split(MICRO_BATCH) for part in mine))]
+    return steps
+
+
+class _ExchangeLog:
+    """Records every all_to_all_single (group members, send and receive splits) to check NCCL's pairing."""
+
+    def __init__(self):
+        self.calls, self._original = [], dist.all_to_all_single
+
+    def __enter__(self):
+        def recorded(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
+            size = dist.get_world_size(group)
+            equal = [input.shape[0] // size] * size
+            self.calls.append((tuple(dist.get_process_group_ranks(group)), list(input_split_sizes or equal),
+                               list(output_split_sizes or equal), input.device.type))
+            return self._original(output, input, output_split_sizes, input_split_sizes, group=group, **kwargs)
+        dist.all_to_all_single = recorded
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single = self._original
+
+    def check_pairing(self, rank):
+        """Each peer issued as many exchanges in the same order, and what I send to j is what j receives from me."""
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, self.calls)
+        assert self.calls, "no token exchange happened"
+        for index, (members, send, _, device) in enumerate(self.calls):
+            assert device == "cpu"  # the test device: never a host copy of a device tensor
+            me = members.index(rank)
+            for j, peer in enumerate(members):
+                peer_members, _, peer_receive, _ = everyone[peer][index]
+                assert peer_members == members and len(everyone[peer]) == len(self.calls)
+                assert peer_receive[me] == send[j], (index, rank, peer)
+
+
+def _run(world_size, layouts):
+    for cfg, routed_together in layouts:
+        ref_norms, norms = [], []
+        ref_losses, ref_weights = _reference(cfg.model, routed_together, _batches(cfg.model), ref_norms)
+        losses, weights = train_steps(world_size, cfg, cfg.optimizer, _microbatches(cfg.model), LR, norms=norms)
+        where = (cfg.parallel.ep, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.optimizer.zero_stage)
+        assert_same_run(where, losses, weights, ref_losses, ref_weights)
+        for step, (got, want) in enumerate(zip(norms, ref_norms)):
+            assert abs(got - want) <= 1e-5 * want, (where, step, got, want)
+        held = {}  # layer -> the experts this rank holds
+        for name in weights:
+            if ".mlp.experts." in name:
+                layer, rest = name.split(".mlp.experts.")
+                held.setdefault(layer, set()).add(rest.split(".")[0])
+        assert held and all(len(e) == cfg.model.num_experts // cfg.parallel.ep for e in held.values()), (where, held)
+
+
+# (dp 4, ep 2): expert state sharded over 2 replicas; a rank's 2 experts (with biases) in one grouped GEMM
+FOUR_RANKS = [(_config(replace(GPT_MOE, moe_grouped_gemm=True), ep=2, dp=4, zero=1), MICRO_BATCH),
+              (_config(DROPLESS_LLAMA, ep=4, dp=4, zero=0), MICRO_BATCH),  # norm: expert squares summed over ep
+              (_config(replace(GPT_MOE, moe_shared_experts=1, moe_capacity_factor=1.0), ep=2, dp=2, tp=2, zero=2),
+               MICRO_BATCH),  # capacity drops decided where the tokens are, before the exchange
+              (_config(DROPLESS_LLAMA, ep=2, dp=2, pp=2, pipeline_schedule="zb-h1"), MICRO_BATCH)]  # W deferred
+
+
+def _check_four(rank, world_size):
+    with _ExchangeLog() as log:
+        _run(world_size, FOUR_RANKS)
+    log.check_pairing(rank)
+
+
+def test_ep2_and_ep4_train_like_one_process():
+    """4 ranks: dp 4 × ep 2 (ZeRO-1 sharding expert state over 2 replicas), dp 4 × ep 4 (ZeRO-0), tp 2 × dp 2 ×
+    ep 2 with a shared expert and capacity drops (ZeRO-2), pp 2 × dp 2 × ep 2 under ZB-H1; the first with grouped GEMMs.
+    6 SGD steps each, losses, weights and
+    gradient norms within 1e-5; then every token exchange's pairing."""
+    run_ranks(_check_four, 4, timeout=300)
+
+
+EIGHT_RANKS = [(_config(DROPLESS_LLAMA, ep=2, dp=2, tp=2, pp=2, domino=True, domino_split="column",
+                        sequence_parallel=True),
+                MICRO_BATCH),
+               (_config(replace(GPT_MOE, recompute="full"), ep=2, dp=2, tp=2, pp=2, domino=True), 1)]
+
+
+def _check_eight(rank, world_size):
+    _run(world_size, EIGHT_RANKS)
+
+
+def test_ep2_composes_with_domino_tp_and_pipeline():
+    """8 ranks, tp 2 × pp 2 × dp 2 × ep 2 with Domino: Llama (column split, SP, sigmoid router, shared expert) and
+    GPT (row split, each mu-chunk routed alone, full recompute)."""
+    run_ranks(_check_eight, 8, timeout=300)
+
+
+@pytest.mark.parametrize("overrides, rule", [
+    (["parallel.ep=3", "parallel.dp=6"], "must divide model.num_experts = 4"),
+    (["parallel.ep=4", "parallel.dp=2"], "must divide the data-parallel size 2"),
+    (["parallel.ep=2", "model.num_experts=null"], "expert parallelism needs experts"),
+    (["model.moe_topk=5"], "exceeds model.num_experts = 4"),
+])
+def test_bad_expert_parallel_input_is_refused(overrides, rule):
+    cfg = load_config(f"{REPO}/{TINY['mixtral']}", ["data.mock=true", *overrides])
+    dp = cfg.parallel.dp or 1
+    with pytest.raises(ConfigError, match=rule):
+        validate_config(cfg, world_size=dp * cfg.parallel.tp * cfg.parallel.pp, check_paths=False)
+
+
+def test_trainer_resumes_and_reshards_across_ep_sizes(tmp_path):
+    """The tiny Mixtral through pretrain_llama.py with Adam: saved at dp 4 × ep 2 (ZeRO-1) after 4 steps, resumed
+    at dp 4 × ep 4 (ZeRO-2) and at dp 2 × ep 1 (ZeRO-0, 2 ranks): steps 5 to 8 equal the uninterrupted run's
+    within 1e-5, so every expert's weights and Adam moments were found under their layout-free names."""
+    from tests.training_runs import losses, train
+    common = ["train.steps=8", "optimizer.warmup_steps=2", "log.interval=1", "parallel.timeout_s=120"]
+    base = str(tmp_path / "base")
+    train("mixtral", 4, base, [*common, "parallel.dp=4", "parallel.ep=2", "checkpoint.interval=4",
+                               "optimizer.zero_stage=1"])
+    reference = losses(base)
+    step4 = f"{base}/checkpoints/step_00000004"
+    for world, layout in ((4, ["parallel.dp=4", "parallel.ep=4", "optimizer.zero_stage=2"]),
+                          (2, ["parallel.dp=2", "parallel.ep=1", "optimizer.zero_stage=0"])):
+        run = str(tmp_path / "-".join(layout))
+        train("mixtral", world, run, [*common, *layout, f"checkpoint.load={step4}", "checkpoint.save_at_end=false"])
+        resumed = losses(run)
+        assert sorted(resumed) == [5, 6, 7, 8], (layout, resumed)
+        for step in resumed:
+            assert abs(resumed[step] - reference[step]) <= 1e-5 * abs(reference[step]), (layout, step, resumed[step])
