@@ -1,4 +1,4 @@
-"""log.wandb_project: the metrics go to wandb in offline mode without a network; nothing is imported otherwise."""
+"""Metric sinks: wandb in offline mode without a network (nothing imported otherwise), and TensorBoard."""
 import glob
 import os
 import subprocess
@@ -29,3 +29,17 @@ def test_offline_run_records_train_and_valid_metrics(tmp_path, monkeypatch):
     with open(runs[0], "rb") as f:  # the run's records (protobuf) carry the keys as plain bytes
         data = f.read()
     assert b"train/loss" in data and b"valid/loss" in data
+
+
+def test_tensorboard_gets_every_number_and_every_expert_share(tmp_path):
+    """Lists in a record (an MoE run's per-layer, per-expert token shares) reach TensorBoard one scalar per entry."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    writer = MetricsWriter(str(tmp_path), True, True)
+    writer.write({"step": 3, "loss": 2.0, "moe_expert_share": [[0.25, 0.75], [0.5, 0.5]]})
+    writer.close()
+    events = EventAccumulator(os.path.join(tmp_path, "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert tags == {"train/loss", "train/moe_expert_share/0/0", "train/moe_expert_share/0/1",
+                    "train/moe_expert_share/1/0", "train/moe_expert_share/1/1"}
+    assert [(e.step, e.value) for e in events.Scalars("train/moe_expert_share/0/1")] == [(3, 0.75)]

@@ -64,6 +64,21 @@ class Timers:
         return report
 
 
+def scalars(record: dict):
+    """(split/key, number) for every number in ``record`` but the step; lists (an MoE layer's per-expert token
+    shares, one list per layer) become one scalar per entry: split/key/layer/expert."""
+    def flatten(tag, value):
+        if isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                yield from flatten(f"{tag}/{index}", item)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield tag, value
+    prefix = record.get("split", "train")
+    for key, value in record.items():
+        if key not in ("step", "split"):
+            yield from flatten(f"{prefix}/{key}", value)
+
+
 class MetricsWriter:
     """JSONL always; TensorBoard and wandb when asked. Their packages are imported only then, so a run
     without them never pays for (or needs) them. ``wandb``: (project, mode, run config as a dict)."""
@@ -91,15 +106,11 @@ class MetricsWriter:
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         if self._tensorboard is not None:
-            prefix = record.get("split", "train")
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self._tensorboard.add_scalar(f"{prefix}/{key}", value, record["step"])
+            for tag, value in scalars(record):
+                self._tensorboard.add_scalar(tag, value, record["step"])
             self._tensorboard.flush()
         if self._wandb is not None:
-            prefix = record.get("split", "train")
-            self._wandb.log({f"{prefix}/{k}": v for k, v in record.items()
-                             if isinstance(v, (int, float)) and k not in ("step", "split")}, step=record["step"])
+            self._wandb.log(dict(scalars(record)), step=record["step"])
         if console:
             print(console, flush=True)
 
