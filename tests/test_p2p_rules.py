@@ -86,3 +86,29 @@ def test_strict_transport_hangs_on_the_old_order_where_nccl_would():
     hang0, hang1 = run_ranks(_old_order, 2, timeout=60)
     assert "send of sF1 to rank 1" in hang0 and "would block forever" in hang0
     assert "send of sB0 to rank 0" in hang1 and "would block forever" in hang1
+
+
+def _early_receive_alone(rank, world_size):
+    """Rank 1 posts one group of two receives; rank 0 sends the second only after rank 1 has used the first."""
+    for p2p in (P2P(torch.device("cpu"), 30), StrictP2P(torch.device("cpu"), 30)):
+        first = Transfer(1 - rank, "first", (ACTIVATION, 0, 1), tensor=_value(ACTIVATION, 0) if rank == 0 else None,
+                         shape=None if rank == 0 else SHAPE, dtype=torch.float32)
+        second = Transfer(1 - rank, "second", (ACTIVATION, 1, 1), tensor=_value(ACTIVATION, 1) if rank == 0 else None,
+                          shape=None if rank == 0 else SHAPE, dtype=torch.float32)
+        used = torch.zeros(1)
+        if rank == 0:
+            p2p.post([first])
+            torch.distributed.recv(used, 1, tag=7)  # rank 1 computed with the first tensor
+            p2p.post([second])
+        else:
+            early, late = p2p.post([first, second])
+            assert torch.equal(early.wait(), _value(ACTIVATION, 0))
+            torch.distributed.send(used, 0, tag=7)
+            assert torch.equal(late.wait(), _value(ACTIVATION, 1))
+        p2p.drain()
+
+
+def test_a_group_receive_is_waited_for_only_when_its_tensor_is_needed():
+    """The executor waits for a received tensor when a compute needs it, so a later receive of the same group
+    (here one whose sender waits for the first to be used) does not hold the first up."""
+    run_ranks(_early_receive_alone, 2, timeout=60)

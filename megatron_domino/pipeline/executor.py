@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from torch.profiler import record_function
 
-from .p2p import ACTIVATION, GRADIENT, P2P, Transfer
+from .p2p import ACTIVATION, GRADIENT, P2P, Arrival, Transfer
 from .schedules import Instruction, TransferGroup, virtual_stage
 from .split_backward import backward_input, backward_weight, run_backward
 
@@ -75,10 +75,13 @@ class PipelineExecutor:
                     continue
                 key = (step.chunk, step.microbatch)
                 if step.op == "forward":
-                    self._outputs[key] = self._forward(step, self._inputs.get(key), microbatches, losses)
-                    if self._forward_only:
-                        self._inputs.pop(key, None)
+                    input_tensor = self._arrived(self._inputs.pop(key, None), stage_input=True)
+                    if not self._forward_only and input_tensor is not None:
+                        self._inputs[key] = input_tensor  # its gradient is what backward sends
+                    self._outputs[key] = self._forward(step, input_tensor, microbatches, losses)
                     continue
+                if key in self._grads_in:
+                    self._grads_in[key] = self._arrived(self._grads_in[key])
                 self._backward(step, key in split, step.microbatch == last[(step.op, step.chunk)])
         self.current = None
         self.p2p.drain()
@@ -87,14 +90,14 @@ class PipelineExecutor:
         return losses
 
     def _exchange(self, group: TransferGroup) -> None:
-        """One transfer group: sends of what was computed, receives of what comes next."""
+        """One transfer group: sends of what was computed, receives of what comes next (waited for by the
+        compute that uses them, ``_arrived``)."""
         transfers = [self._transfer(t) for t in group.transfers]
-        received = iter(self.p2p.exchange(transfers))
+        received = iter(self.p2p.post(transfers))
         for inst in group.transfers:
             key = (inst.chunk, inst.microbatch)
             if inst.op == "recv_forward":
-                tensor = next(received)
-                self._inputs[key] = tensor if self._forward_only else tensor.requires_grad_()
+                self._inputs[key] = next(received)
             elif inst.op == "recv_backward":
                 self._grads_in[key] = next(received)
             elif inst.op == "send_forward":
@@ -133,6 +136,14 @@ class PipelineExecutor:
             grad = source.grad if source is not None else None
         if grad is not None and self._stage_of(step.chunk) > 0:
             self._grads_out[key] = grad
+
+    def _arrived(self, value, stage_input: bool = False):
+        """A received tensor, waited for now if still in flight; a stage input becomes a leaf that takes a gradient."""
+        if isinstance(value, Arrival):
+            value = value.wait()
+            if stage_input and not self._forward_only:
+                value.requires_grad_()
+        return value
 
     def _forward(self, instruction: Instruction, input_tensor, microbatches, losses):
         chunk = self.chunks[instruction.chunk]

@@ -4,8 +4,10 @@ NCCL ignores tags, matches a pair's transfers in issue order, and completes a la
 only once the peer's receive runs. So every transfer goes out in a group
 (``batch_isend_irecv``) that the schedule built to pair a send with the receive its peer
 is waiting to post (see ``schedules.add_transfers``), no tags are used, and nothing
-relies on buffering. On CUDA a receive's wait goes on the compute stream and the CPU
-runs on; on the CPU (gloo) it blocks with the collective timeout, naming the peer. A dead
+relies on buffering. A receive is waited for only when its tensor is needed (``Arrival``), so a
+group's later receive does not hold up the compute that needs only an earlier one. On CUDA the
+wait goes on the compute stream and the CPU runs on; on the CPU (gloo) it blocks with the
+collective timeout, naming the peer. A dead
 peer is reported by the watchdog either way: its timeout is the shorter one. Sends are
 kept until complete, so their buffers live as long as NCCL reads them. With
 ``variable_shapes`` a group first exchanges the shapes (one int64 tensor per transfer).
@@ -46,6 +48,19 @@ class Transfer:
         return self.tensor is not None
 
 
+class Arrival:
+    """A posted receive; ``wait()`` returns its tensor once it has arrived (on CUDA: for the current stream)."""
+
+    def __init__(self, p2p: "P2P", work, transfer: Transfer, tensor: torch.Tensor):
+        self._p2p, self._work, self._transfer, self.tensor = p2p, work, transfer, tensor
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._p2p._wait(self._work, self._transfer)
+            self._work = None
+        return self.tensor
+
+
 class P2P:
     def __init__(self, device: torch.device, timeout_s: float, variable_shapes: bool = False):
         self.device, self.variable_shapes = device, variable_shapes
@@ -55,12 +70,16 @@ class P2P:
         self._wait_seconds = 0.0
 
     def exchange(self, transfers: list[Transfer]) -> list[torch.Tensor]:
-        """Issue ``transfers`` as one group; returns the received tensors, in the order of the receives."""
+        """Issue ``transfers`` as one group and wait for its receives; returns them in the order of the receives."""
+        return [arrival.wait() for arrival in self.post(transfers)]
+
+    def post(self, transfers: list[Transfer]) -> list[Arrival]:
+        """Issue ``transfers`` as one group; returns the receives, in order, to be waited for when needed."""
         if self.variable_shapes:
             self._exchange_shapes(transfers)
-        return self._exchange(transfers)
+        return self._post(transfers)
 
-    def _exchange(self, transfers: list[Transfer]) -> list[torch.Tensor]:
+    def _post(self, transfers: list[Transfer]) -> list[Arrival]:
         buffers = [t.tensor.detach().contiguous() if t.is_send else
                    torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in transfers]
         works = self._launch(transfers, buffers)
@@ -69,8 +88,7 @@ class P2P:
             if transfer.is_send:
                 self._pending_sends.append((work, buffer))
             else:
-                self._wait(work, transfer)
-                received.append(buffer)
+                received.append(Arrival(self, work, transfer, buffer))
         self.prune()
         return received
 
@@ -86,10 +104,10 @@ class P2P:
         shapes = [Transfer(t.peer, f"shape of {t.label}", (SHAPE,) + t.key[1:],
                            tensor=h if t.is_send else None, shape=None if t.is_send else h.shape, dtype=h.dtype)
                   for t, h in zip(transfers, headers)]
-        received = iter(self._exchange(shapes))
+        received = iter(self._post(shapes))
         for t in transfers:
             if not t.is_send:
-                header = next(received)
+                header = next(received).wait()
                 t.shape = tuple(header[1:int(header[0]) + 1].tolist())
 
     def _launch(self, transfers: list[Transfer], buffers: list[torch.Tensor]) -> list:
