@@ -2,7 +2,8 @@
 except one layout, 6 steps, auxiliary losses on): losses, every weight and every step's gradient norm, alone and
 at tp2·pp2·dp2·ep2 with Domino; ZeRO-0/1/2 over the expert-data-parallel group. The token exchange keeps NCCL's
 rules (every member's sends meet its peers' receives); the trainer resumes an MoE checkpoint at other ep sizes;
-bad ep values are refused before any process group starts.
+bad ep values are refused before any process group starts. Expert TP 1 (whole experts shared out over tp x ep
+ranks, each TP rank routing its slice of the tokens) trains like one process too.
 
 The one-process reference is ``tests.test_moe._reference``: tokens routed per micro-batch (per Domino mu-chunk
 under the row split), the engine's objective. Data-parallel rank r trains samples [r·B/dp, (r+1)·B/dp).
@@ -76,7 +77,8 @@ def _run(world_size, layouts):
         ref_norms, norms = [], []
         ref_losses, ref_weights = _reference(cfg.model, routed_together, _batches(cfg.model), ref_norms)
         losses, weights = train_steps(world_size, cfg, cfg.optimizer, _microbatches(cfg.model), LR, norms=norms)
-        where = (cfg.parallel.ep, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.optimizer.zero_stage)
+        where = (cfg.parallel.ep, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.optimizer.zero_stage,
+                 cfg.parallel.expert_tp)
         assert_same_run(where, losses, weights, ref_losses, ref_weights)
         for step, (got, want) in enumerate(zip(norms, ref_norms)):
             assert abs(got - want) <= 1e-5 * want, (where, step, got, want)
@@ -85,7 +87,8 @@ def _run(world_size, layouts):
             if ".mlp.experts." in name:
                 layer, rest = name.split(".mlp.experts.")
                 held.setdefault(layer, set()).add(rest.split(".")[0])
-        assert held and all(len(e) == cfg.model.num_experts // cfg.parallel.ep for e in held.values()), (where, held)
+        sharers = cfg.parallel.ep * (cfg.parallel.tp if cfg.parallel.expert_tp == 1 else 1)
+        assert held and all(len(e) == cfg.model.num_experts // sharers for e in held.values()), (where, held)
 
 
 # (dp 4, ep 2): expert state sharded over 2 replicas; a rank's 2 experts (with biases) in one grouped GEMM
@@ -93,7 +96,12 @@ FOUR_RANKS = [(_config(replace(GPT_MOE, moe_grouped_gemm=True), ep=2, dp=4, zero
               (_config(DROPLESS_LLAMA, ep=4, dp=4, zero=0), MICRO_BATCH),  # norm: expert squares summed over ep
               (_config(replace(GPT_MOE, moe_shared_experts=1, moe_capacity_factor=1.0), ep=2, dp=2, tp=2, zero=2),
                MICRO_BATCH),  # capacity drops decided where the tokens are, before the exchange
-              (_config(DROPLESS_LLAMA, ep=2, dp=2, pp=2, pipeline_schedule="zb-h1"), MICRO_BATCH)]  # W deferred
+              (_config(DROPLESS_LLAMA, ep=2, dp=2, pp=2, pipeline_schedule="zb-h1"), MICRO_BATCH),  # W deferred
+              # expert TP 1: whole experts shared out over tp x ep = 4 ranks (biases not split), and over the 2 TP
+              # ranks alone with Domino and SP (no ZeRO: each TP rank's experts count in the norm)
+              (_config(GPT_MOE, ep=2, dp=2, tp=2, expert_tp=1), MICRO_BATCH),
+              (_config(DROPLESS_LLAMA, dp=2, tp=2, expert_tp=1, zero=0, domino=True, domino_split="column",
+                       sequence_parallel=True), MICRO_BATCH)]
 
 
 def _check_four(rank, world_size):
@@ -131,6 +139,9 @@ def test_ep2_composes_with_domino_tp_and_pipeline():
     (["parallel.ep=4", "parallel.dp=2"], "must divide the data-parallel size 2"),
     (["parallel.ep=2", "model.num_experts=null"], "expert parallelism needs experts"),
     (["model.moe_topk=5"], "exceeds model.num_experts = 4"),
+    (["parallel.tp=2", "parallel.expert_tp=3"], "parallel.expert_tp = 3: must be 1 or parallel.tp = 2"),
+    (["parallel.tp=2", "parallel.dp=4", "parallel.ep=4", "parallel.expert_tp=1"],
+     "tp x ep = 8 ranks, which must divide model.num_experts = 4"),
 ])
 def test_bad_expert_parallel_input_is_refused(overrides, rule):
     cfg = load_config(f"{REPO}/{TINY['mixtral']}", ["data.mock=true", *overrides])
@@ -141,8 +152,9 @@ def test_bad_expert_parallel_input_is_refused(overrides, rule):
 
 def test_trainer_resumes_and_reshards_across_ep_sizes(tmp_path):
     """The tiny Mixtral through pretrain_llama.py with Adam: saved at dp 4 × ep 2 (ZeRO-1) after 4 steps, resumed
-    at dp 4 × ep 4 (ZeRO-2) and at dp 2 × ep 1 (ZeRO-0, 2 ranks): steps 5 to 8 equal the uninterrupted run's
-    within 1e-5, so every expert's weights and Adam moments were found under their layout-free names."""
+    at dp 4 × ep 4 (ZeRO-2) and at tp 2 × dp 2 with whole experts over the 2 TP ranks (expert TP 1, ZeRO-0):
+    steps 5 to 8 equal the uninterrupted run's within 1e-5, so every expert's weights and Adam moments were found
+    under their layout-free names."""
     from tests.training_runs import losses, train
     common = ["train.steps=8", "optimizer.warmup_steps=2", "log.interval=1", "parallel.timeout_s=120"]
     base = str(tmp_path / "base")
@@ -151,7 +163,8 @@ def test_trainer_resumes_and_reshards_across_ep_sizes(tmp_path):
     reference = losses(base)
     step4 = f"{base}/checkpoints/step_00000004"
     for world, layout in ((4, ["parallel.dp=4", "parallel.ep=4", "optimizer.zero_stage=2"]),
-                          (2, ["parallel.dp=2", "parallel.ep=1", "optimizer.zero_stage=0"])):
+                          (4, ["parallel.tp=2", "parallel.dp=2", "parallel.ep=1", "parallel.expert_tp=1",
+                               "optimizer.zero_stage=0"])):
         run = str(tmp_path / "-".join(layout))
         train("mixtral", world, run, [*common, *layout, f"checkpoint.load={step4}", "checkpoint.save_at_end=false"])
         resumed = losses(run)

@@ -57,6 +57,17 @@ def test_expert_parallel_groups_match_hand_written_layout(layout):
     assert topo.expert_dp_groups() == EP_EXPECTED[layout]["expert_dp"]
     for group in topo.ep_groups():  # members in ep order: the share a member holds is its dp % ep
         assert [topo.coordinate(r).dp % ep for r in group] == list(range(ep))
+    assert topo.expert_groups() == topo.ep_groups()  # experts split over TP: tokens travel within the ep group
+
+
+def test_whole_experts_are_shared_out_over_tp_and_ep():
+    """Expert TP 1 at tp 2 x dp 4 x ep 2 (rank = tp + 2 * dp): each tp x ep block of 4 neighbours exchanges tokens;
+    replicas stay those of the same TP rank and share."""
+    topo = Topology(8, tp=2, dp=4, ep=2, expert_tp=1)
+    assert topo.expert_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert topo.expert_dp_groups() == EP_EXPECTED[(2, 1, 1, 4, 2)]["expert_dp"]
+    with pytest.raises(ValueError, match="parallel.expert_tp = 3: must be 1 or parallel.tp = 2"):
+        Topology(8, tp=2, dp=4, ep=2, expert_tp=3)
 
 
 @pytest.mark.parametrize("layout", list(CP_EXPECTED), ids=lambda l: "tp{}-cp{}-pp{}-dp{}".format(*l))

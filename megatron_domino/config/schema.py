@@ -144,6 +144,10 @@ class ParallelConfig:
     # debug: make gloo obey NCCL's rules (untagged, rendezvous p2p; host tensors refused by collectives)
     strict_transport: bool = False
     ep: int = 1  # expert parallel size, taken from the data-parallel ranks (divides dp and num_experts)
+    # experts' tensor parallelism: None (= tp) splits each expert over TP like the MLP; 1 keeps experts whole and
+    # shares them out over the tp x ep ranks instead, each TP rank routing its own slice of the tokens (Megatron's
+    # expert_tensor_parallel_size 1)
+    expert_tp: Optional[int] = None
 
 
 @dataclass

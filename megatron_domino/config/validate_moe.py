@@ -33,7 +33,7 @@ def check_moe(c, cfg: Config, dp: int | None) -> None:
     if m.moe_capacity_factor is not None and not m.moe_capacity_factor > 0:
         c.fail("model.moe_capacity_factor", m.moe_capacity_factor, "must be positive or null (dropless)",
                "set a factor such as 1.25, or null to drop no token")
-    if m.moe_ffn_size >= 1:
+    if m.moe_ffn_size >= 1 and p.expert_tp != 1:
         c.divides("model.moe_ffn_hidden_size", m.moe_ffn_size, p.tp, "parallel.tp",
                   "use an expert FFN width that parallel.tp divides (experts are split like the dense MLP)")
     if cfg.log.sync_debug:
@@ -58,10 +58,17 @@ def _check_layer_freq(c, m) -> None:
 
 
 def _check_ep(c, m, p, dp: int | None) -> None:
-    """Megatron's rule: ep ranks come from the data-parallel ones, each holds num_experts / ep."""
+    """Megatron's rules: ep ranks come from the data-parallel ones, each holds num_experts / ep; whole experts
+    (expert TP 1) are shared out over tp x ep ranks."""
     if dp is not None and dp % p.ep:
         c.fail("parallel.ep", p.ep, f"must divide the data-parallel size {dp} (expert ranks are data-parallel ranks)",
                "choose an ep that divides dp")
     if m.num_experts % p.ep:
         c.fail("parallel.ep", p.ep, f"must divide model.num_experts = {m.num_experts}",
                "choose an ep that divides the number of experts")
+    if p.expert_tp not in (None, 1, p.tp):
+        c.fail("parallel.expert_tp", p.expert_tp, f"must be 1 or parallel.tp = {p.tp}",
+               "leave it unset (experts split over TP like the MLP) or set 1 (whole experts)")
+    elif p.expert_tp == 1 and not m.num_experts % p.ep and m.num_experts % (p.tp * p.ep):
+        c.fail("parallel.expert_tp", 1, f"whole experts are shared out over tp x ep = {p.tp * p.ep} ranks, which must "
+               f"divide model.num_experts = {m.num_experts}", "lower tp or ep, or leave parallel.expert_tp unset")

@@ -12,7 +12,10 @@ It has the MLP's two phase pieces, so the block, Domino and the pipeline run it 
 Experts are MLPs split over TP like the dense one (expert TP = tp; parameters ``mlp.experts.E.fc1/fc2``,
 E the global index). Under expert parallelism (``parallel.ep``) a rank holds num_experts / ep of them and
 the token rows travel to their experts and back by all-to-all (``expert_dispatch``); the rank's TP peers
-exchange the same rows with their own peers, so each TP rank's partials stay in its TP slice. Rows are
+exchange the same rows with their own peers, so each TP rank's partials stay in its TP slice. With expert TP
+1 (``parallel.expert_tp``, ``ctx.experts_split`` False) experts stay whole and ``ctx.ep_group`` spans tp x ep
+ranks: each TP rank routes only its slice of the tokens, so its partial is its tokens' whole output (zero
+elsewhere) and the same one all-reduce completes the layer; no expert gradient is summed over TP. Rows are
 sorted by expert in one sort; their sizes are read on the host (one sync per layer and forward, two under
 EP). The input enters the TP region once for all experts (copy, or the SP all-gather) without Domino's
 asynchronous input-gradient reduction, which serves one linear.
@@ -108,15 +111,18 @@ class MoE(nn.Module):
                 ParamInfo(None, "normal", cfg.init_std, sequence_parallel=ctx.sequence_parallel))
         ep, ep_rank = comm.group_size(ctx.ep_group), comm.group_rank(ctx.ep_group)
         local = cfg.num_experts // ep
-        self.experts = nn.ModuleDict({str(e): MLP(cfg, ctx, cfg.moe_ffn_size)
+        self.split = ctx.experts_split or ctx.size == 1
+        whole = replace(ctx, group=None, sequence_parallel=False, grad_pieces=0)  # experts of expert TP 1
+        self.experts = nn.ModuleDict({str(e): MLP(cfg, ctx if self.split else whole, cfg.moe_ffn_size)
                                       for e in range(ep_rank * local, (ep_rank + 1) * local)})
         for expert in self.experts.values():
             for linear in (expert.fc1, expert.fc2):
                 for name, info in linear.param_info.items():
-                    # an fc2 bias is gate-weighted per token: added as partials, its gradient sums over TP
-                    sums_over_tp = info.sequence_parallel or (linear is expert.fc2 and name == "bias")
+                    # a split fc2 bias is gate-weighted per token: added as partials, its gradient sums over TP
+                    sums_over_tp = self.split and (info.sequence_parallel or (linear is expert.fc2 and name == "bias"))
                     declare(linear, name, getattr(linear, name),
-                            replace(info, expert=True, sequence_parallel=sums_over_tp))
+                            replace(info, expert=True, sequence_parallel=sums_over_tp,
+                                    spec=info.spec if self.split else None, tp_replicated=self.split))
         self.grouped_gemm = cfg.moe_grouped_gemm
         if self.grouped_gemm and grouped_mm is None:
             raise ValueError(f"model.moe_grouped_gemm = true: torch {torch.__version__} has no grouped_mm. Fix: use "
@@ -136,7 +142,7 @@ class MoE(nn.Module):
         tokens, logits = tokens.flatten(0, 1), logits.flatten(0, 1)
         routing = route(logits, self.topk, self.router_kind, self.capacity_factor)
         # one stable sort by expert puts every expert's kept assignments together, in token order
-        key = torch.where(routing.kept, routing.experts, self.num_experts).flatten()
+        key = torch.where(routing.kept & self._my_tokens(len(tokens)), routing.experts, self.num_experts).flatten()
         order = key.argsort(stable=True)
         sizes = torch.bincount(key, minlength=self.num_experts + 1).tolist()[:self.num_experts]
         assignments = order[:sum(sizes)]
@@ -147,6 +153,15 @@ class MoE(nn.Module):
         hidden = next(iter(self.experts.values())).activate(fc1)
         shared = self.shared_experts.hidden(x) if self.shared_experts is not None else None
         return Routed(shape, routing, assignments, token_ids, exchange, hidden, shared)
+
+    def _my_tokens(self, count: int) -> torch.Tensor:
+        """[T, 1] bool: the tokens this rank's experts serve: all, or with whole experts this TP rank's slice."""
+        mine = torch.ones(count, 1, dtype=torch.bool, device=self.router.weight.device)
+        if not self.split:
+            size, rank = self.ctx.size, self.ctx.rank
+            mine[:count * rank // size] = False
+            mine[count * (rank + 1) // size:] = False
+        return mine
 
     def _partial(self, routed: Routed) -> torch.Tensor:
         """This rank's share of the layer output before the TP sum, [b, s, h], with the auxiliary losses attached."""
@@ -159,7 +174,8 @@ class MoE(nn.Module):
                 loss = self.aux_coeff * routing.aux_loss + self.z_coeff * routing.z_loss
                 gates = _AttachLoss.apply(gates, loss, self.loss_scale_per_sample * b / tp)
         outputs = experts_linear(routed.hidden, routed.exchange.local_sizes,
-                                 [expert.fc2 for expert in self.experts.values()], self.grouped_gemm, tp)
+                                 [expert.fc2 for expert in self.experts.values()], self.grouped_gemm,
+                                 tp if self.split else 1)
         rows = routed.exchange.combine(outputs)
         weighted = rows * gates.flatten()[routed.assignments].unsqueeze(-1).to(rows.dtype)
         out = rows.new_zeros(b * s, h).index_add(0, routed.tokens, weighted).view(b, s, h)

@@ -57,6 +57,11 @@ class ParallelState:
         else:
             self.ep_group, self.ep_ranks = None, [self.rank]
             self.expert_dp_group, self.expert_dp_ranks = self.dp_cp_group, self.dp_cp_ranks
+        # The token exchange: the ep group, or with whole experts (expert TP 1) its tp x ep ranks.
+        if topology.expert_tp == topology.tp:
+            self.expert_group, self.expert_ranks = self.ep_group, self.ep_ranks
+        else:
+            self.expert_group, self.expert_ranks = self._make(topology.expert_groups(), timeout)
         coordinate = topology.coordinate(self.rank)
         self.tp_rank, self.pp_rank, self.dp_rank, self.cp_rank = coordinate.tp, coordinate.pp, coordinate.dp, coordinate.cp
         self.tp_size, self.pp_size, self.dp_size, self.cp_size = topology.tp, topology.pp, topology.dp, topology.cp

@@ -14,6 +14,8 @@ Expert parallelism (Megatron's rule) takes its ranks from data parallelism: ``ep
 expert-parallel group is ep consecutive data-parallel ranks (dp // ep equal, same tp, cp and pp). Its
 member of index dp % ep holds that share of the experts. Ranks with the same share (dp % ep equal, any cp)
 hold replicas of the same experts: the expert-data-parallel group (``expert_dp``, size dp * cp / ep).
+With expert TP 1 (``expert_tp``) experts stay whole and the tp ranks of an expert-parallel group share them
+out too: tokens travel among tp x ep ranks (``expert_groups``).
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ class Topology:
     """World size cut into tp x cp x pp x dp; ``order`` names the axes innermost first ("tp-cp-dp-pp")."""
 
     def __init__(self, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
-                 virtual_pp: int = 1, order: str = "tp-cp-dp-pp", cp: int = 1, ep: int = 1):
+                 virtual_pp: int = 1, order: str = "tp-cp-dp-pp", cp: int = 1, ep: int = 1,
+                 expert_tp: int | None = None):
         for name, value in (("world_size", world_size), ("parallel.tp", tp), ("parallel.pp", pp),
                             ("parallel.virtual_pp", virtual_pp), ("parallel.cp", cp), ("parallel.ep", ep)):
             if not isinstance(value, int) or value < 1:
@@ -55,6 +58,10 @@ class Topology:
         if dp % ep:
             raise ValueError(f"parallel.ep = {ep}: must divide the data-parallel size {dp} (expert-parallel ranks are "
                              f"data-parallel ranks). Fix: choose an ep that divides {dp}.")
+        if expert_tp not in (None, 1, tp):
+            raise ValueError(f"parallel.expert_tp = {expert_tp}: must be 1 or parallel.tp = {tp}. Fix: leave it unset "
+                             f"(experts split like the MLP) or set 1 (whole experts shared out over tp x ep ranks)")
+        self.expert_tp = tp if expert_tp is None else expert_tp
         axes = full_order(order).split("-")
         if sorted(axes) != sorted(AXES):
             raise ValueError(f"parallel.order = {order!r}: must be a permutation of tp, cp, dp, pp joined by '-' "
@@ -71,7 +78,8 @@ class Topology:
     @classmethod
     def from_config(cls, par, world_size: int) -> "Topology":
         """The topology a ``ParallelConfig`` asks for on ``world_size`` ranks."""
-        return cls(world_size, par.tp, par.pp, par.dp, par.virtual_pp, par.order, cp=par.cp, ep=par.ep)
+        return cls(world_size, par.tp, par.pp, par.dp, par.virtual_pp, par.order, cp=par.cp, ep=par.ep,
+                   expert_tp=par.expert_tp)
 
     def rank_of(self, tp: int = 0, pp: int = 0, dp: int = 0, cp: int = 0) -> int:
         """Global rank at a coordinate."""
@@ -128,6 +136,17 @@ class Topology:
             groups.append([self.rank_of(tp=tp, pp=pp, dp=block * self.ep + e, cp=cp) for e in range(self.ep)])
         return sorted(groups)
 
+    def expert_groups(self) -> list[list[int]]:
+        """The ranks that share the experts out and exchange tokens: the ep groups, or with expert TP 1 the
+        tp x ep ranks (members sorted by rank: a member's index says which share it holds)."""
+        if self.expert_tp == self.tp:
+            return self.ep_groups()
+        groups = []
+        for cp, pp, block in product(range(self.cp), range(self.pp), range(self.dp // self.ep)):
+            groups.append(sorted(self.rank_of(tp=tp, pp=pp, dp=block * self.ep + share, cp=cp)
+                                 for tp, share in product(range(self.tp), range(self.ep))))
+        return sorted(groups)
+
     def expert_dp_groups(self) -> list[list[int]]:
         """Ranks holding replicas of the same experts: expert gradients and ZeRO shards reduce over these."""
         groups = []
@@ -172,4 +191,4 @@ class Topology:
 
     def __repr__(self) -> str:
         return (f"Topology(world_size={self.world_size}, tp={self.tp}, cp={self.cp}, pp={self.pp}, dp={self.dp}, "
-                f"virtual_pp={self.virtual_pp}, order={self.order!r}, ep={self.ep})")
+                f"virtual_pp={self.virtual_pp}, order={self.order!r}, ep={self.ep}, expert_tp={self.expert_tp})")

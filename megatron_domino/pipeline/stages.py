@@ -35,7 +35,7 @@ def build_stage_chunks(cfg, state, *, dtype=torch.float32, device=None, init_see
     stages = par.pp * par.virtual_pp
     plan = DominoPlan.from_config(par)
     ctx = TPContext(state.tp_group, par.sequence_parallel, dtype=dtype, device=device, cp_group=state.cp_group,
-                    ep_group=state.ep_group)
+                    ep_group=state.expert_group, experts_split=state.topology.expert_tp == state.tp_size)
     chunks = []
     for chunk in range(par.virtual_pp):
         stage = virtual_stage(state.pp_rank, chunk, par.pp)

@@ -23,7 +23,8 @@ class TPContext:
     dtype: torch.dtype = torch.float32
     device: torch.device | None = None
     cp_group: object = None  # the context-parallel ring (ring attention); None: one rank
-    ep_group: object = None  # the expert-parallel group (MoE token exchange); None: one rank
+    ep_group: object = None  # the ranks sharing the experts out (MoE token exchange); None: one rank
+    experts_split: bool = True  # experts split over TP like the MLP; False: whole, shared out over tp x ep
 
     def __post_init__(self):
         object.__setattr__(self, "sequence_parallel", bool(self.sequence_parallel) and self.size > 1)

@@ -48,6 +48,7 @@ class ParamInfo:
     vocab_rows: int | None = None  # rows past this are vocabulary padding (zero, never trained)
     tied_to: str | None = None  # a copy of this global parameter (a tied output head on another stage)
     expert: bool = False  # an expert's: replicated over the expert-data-parallel group, not all of dp
+    tp_replicated: bool = True  # unsplit (spec None) and the same on every TP rank; False: each TP rank's own
 
     def full_shape(self, local_shape) -> tuple[int, ...]:
         """The shape of the full tensor (vocabulary padding included) whose TP slice has ``local_shape``."""
@@ -57,9 +58,9 @@ class ParamInfo:
         return tuple(shape)
 
     def counts_once(self, tp_rank: int) -> bool:
-        """Whether this rank's copy counts in global sums (norms): split ones everywhere, replicated ones
-        on TP rank 0, copies of a tied parameter never."""
-        return (self.spec is not None or tp_rank == 0) and self.tied_to is None
+        """Whether this rank's copy counts in global sums (norms): split ones and each TP rank's own (whole
+        experts of expert-TP 1) everywhere, replicated ones on TP rank 0, copies of a tied parameter never."""
+        return (self.spec is not None or not self.tp_replicated or tp_rank == 0) and self.tied_to is None
 
 
 def declare(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None, info: ParamInfo) -> None:

@@ -51,8 +51,8 @@ def _groups(topology: Topology, gpus_per_node: int) -> list[str]:
              ("data parallel", topology.dp_groups())]
     if topology.cp > 1:
         kinds.append(("gradients and ZeRO (data x context parallel)", topology.dp_cp_groups()))
-    if topology.ep > 1:
-        kinds += [("expert parallel (token all-to-all)", topology.ep_groups()),
+    if topology.ep > 1 or topology.expert_tp != topology.tp:
+        kinds += [("expert parallel (token all-to-all)", topology.expert_groups()),
                   ("expert gradients and ZeRO (expert replicas)", topology.expert_dp_groups())]
     kinds += [("pipeline (stage order)", topology.pp_groups()),
               ("embedding (first + last stage)", topology.embedding_groups())]
