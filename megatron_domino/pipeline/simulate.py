@@ -95,7 +95,7 @@ def _flatten(program: list) -> list[Instruction]:
 def check_structure(schedule: list[list], num_microbatches: int, virtual_pp: int = 1,
                     forward_only: bool = False) -> None:
     """Each rank runs every (chunk, micro-batch) forward (then backward) exactly once, with transfers adjacent."""
-    pp, stages = len(schedule), len(schedule) * virtual_pp
+    pp = len(schedule)
     expected_units = {(c, mb) for c in range(virtual_pp) for mb in range(num_microbatches)}
     for rank, program in enumerate(schedule):
         flat = _flatten(program)
