@@ -51,6 +51,7 @@ class PipelineExecutor:
         self.loss_fn, self.on_backward = loss_fn, on_backward
         self.num_stages = stage.pp * stage.virtual_pp
         self.current: Instruction | TransferGroup | None = None
+        self.waiting: Arrival | None = None  # the receive being waited for, for hang reports
         self.position, self.length = 0, 0
 
     def _stage_of(self, chunk: int) -> int:
@@ -140,7 +141,9 @@ class PipelineExecutor:
     def _arrived(self, value, stage_input: bool = False):
         """A received tensor, waited for now if still in flight; a stage input becomes a leaf that takes a gradient."""
         if isinstance(value, Arrival):
+            self.waiting = value
             value = value.wait()
+            self.waiting = None
             if stage_input and not self._forward_only:
                 value.requires_grad_()
         return value
@@ -159,6 +162,9 @@ class PipelineExecutor:
         if self.current is None:
             return "idle"
         text = f"{self.current} (step {self.position + 1} of {self.length})"
+        waiting = self.waiting
+        if waiting is not None:
+            return f"{text}, waiting for the {waiting.transfer.label} from rank {waiting.transfer.peer}"
         if not isinstance(self.current, TransferGroup):
             return text
         peers = sorted({self._transfer_peer(t) for t in self.current.transfers})

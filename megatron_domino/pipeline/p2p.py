@@ -52,11 +52,11 @@ class Arrival:
     """A posted receive; ``wait()`` returns its tensor once it has arrived (on CUDA: for the current stream)."""
 
     def __init__(self, p2p: "P2P", work, transfer: Transfer, tensor: torch.Tensor):
-        self._p2p, self._work, self._transfer, self.tensor = p2p, work, transfer, tensor
+        self._p2p, self._work, self.transfer, self.tensor = p2p, work, transfer, tensor
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            self._p2p._wait(self._work, self._transfer)
+            self._p2p._wait(self._work, self.transfer)
             self._work = None
         return self.tensor
 
