@@ -2,8 +2,9 @@
 
 It has the MLP's two phase pieces, so the block, Domino and the pipeline run it unchanged:
 
-- ``hidden`` (recomputable, no forward communication): the router, then each expert's fc1 and activation
-  on the tokens routed to it (and the shared experts' on every token);
+- ``hidden`` (recomputable; no TP communication, under EP the token dispatch, which a recompute repeats on
+  every member alike): the router, then each expert's fc1 and activation on the tokens routed to it (and the
+  shared experts' on every token);
 - ``project`` / ``launch``: each expert's fc2 *partial* output (fc2 is row-parallel), scattered back to
   its tokens weighted by the gates and summed, plus the shared experts' partial; then ONE all-reduce
   (reduce-scatter under sequence parallelism) for the whole layer, synchronous or left in flight.
@@ -24,8 +25,8 @@ TP and the router: the router weight is replicated and its fp32 logits enter the
 activation (backward sums the logits' gradient over TP), so the logits are identical on every TP rank.
 The gates multiply partials, so each rank's gate gradient is a partial that the sum completes; the
 auxiliary losses are computed identically on every rank, so each adds 1/tp of their gradient. An
-expert's fc2 bias is weighted by its gate per token, so it is added to the partials divided by tp and
-its gradient sums over TP. Under SP the router reads this rank's slice (its gradient sums over TP).
+expert's fc2 bias is weighted by its gate per token, so a split expert adds it to the partials divided by
+tp and its gradient sums over TP. Under SP the router reads this rank's slice (its gradient sums over TP).
 
 Auxiliary losses reach the gradient without a change to the pipeline (as Megatron does): ``_AttachLoss``
 is the identity on the gates and in backward seeds the losses' gradient. Their weight
