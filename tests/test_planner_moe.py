@@ -61,6 +61,26 @@ def test_expert_parameters_spread_over_ep_and_dense_ones_do_not():
     assert four.activations - one.activations == pytest.approx(extra)
 
 
+def test_whole_experts_by_hand():
+    """Expert TP 1 at tp 4 x ep 2 (dp 4): whole experts shared out over 8 ranks, each TP rank routing a quarter of
+    the tokens through whole-width experts, over an exchange of 8 ranks."""
+    dense, expert = _first_stage_parameters(_mixtral())
+    whole = _mixtral("parallel.ep=2", "parallel.expert_tp=1")
+    first = estimate_stages(whole, 4, H100)[0]
+    assert first.params == 2 * (dense + expert / 2)  # expert / tp above, so: whole experts / (tp * ep)
+    split = estimate_stages(_mixtral("parallel.ep=2"), 4, H100)[0]
+    # per routed row kept by selective recompute: dispatched, combined, weighted rows, gate, indices (and the
+    # exchange's two orders), fc1 + SwiGLU; rows k/tp of width f instead of k of width f/tp, per token
+    h, k, tp, layers = 4096, 2, 4, 8
+    row_fixed = 3 * 2 * h + 2 + 16 + 16
+    per_token = (k / tp - k) * row_fixed  # the fc1 + SwiGLU bytes (4 * 2 * f * rows / width) are the same
+    tokens = 2 * 4096
+    assert first.activations - split.activations == pytest.approx(split.in_flight * tokens * layers * per_token)
+    moved = tokens / tp * k * h * 2 * 7 / 8  # a rank's quarter of the tokens, bf16, 7 of 8 sharers elsewhere
+    time = estimate_step_time(whole, 4, H100, 8).ep_exposed  # tp 4 x ep 2 in one 8-GPU node: NVLink
+    assert time == pytest.approx(256 // 2 // 4 * layers * 4 * moved / 450e9, rel=1e-9)
+
+
 def _moe_minus_dense(cfg):
     """Bytes per token an MoE block saves beyond a dense one (attention, norms and masks are the same)."""
     return (chunk_activation_bytes(cfg, H100, 1, False, False, moe_layers=1)

@@ -72,7 +72,7 @@ from ..models.counters import norm_parameters
 from ..pipeline.schedules import interleaved_warmup, schedule_kind, virtual_stage
 from ..pipeline.stages import layer_partition
 from .hardware import GPU
-from .moe import expert_replicas, layer_parameters, routed_activation_bytes
+from .moe import expert_replicas, layer_parameters, routed_activation_bytes, whole_experts
 
 GIB = 2**30
 
@@ -116,7 +116,8 @@ def per_model_layout(fn):
     def memoised(cfg: Config):
         par = cfg.parallel
         model = tuple(tuple(v) if isinstance(v, list) else v for v in vars(cfg.model).values())  # moe_layer_freq
-        key = (model, par.tp, par.pp, par.ep, par.virtual_pp, par.pipeline_partition, tuple(par.pipeline_layout or ()))
+        key = (model, par.tp, par.pp, par.ep, par.expert_tp, par.virtual_pp, par.pipeline_partition,
+               tuple(par.pipeline_layout or ()))
         if key not in results:
             results[key] = fn(cfg)
         return results[key]
@@ -139,7 +140,7 @@ def rank_parameter_split(cfg: Config) -> tuple[tuple[float, float], ...]:
     partition = stage_layers(cfg)
     stages = par.pp * par.virtual_pp
     embedding = model.padded_vocab_size(par.tp) // par.tp * model.hidden_size
-    layer = cache(lambda i: layer_parameters(model, i, par.tp, par.ep))
+    layer = cache(lambda i: layer_parameters(model, i, par.tp, par.ep, whole_experts(par)))
     totals = []
     for rank in range(par.pp):
         dense = experts = 0.0

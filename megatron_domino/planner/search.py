@@ -138,7 +138,8 @@ def _variants(cfg: Config, tp: int, cp: int, pp: int, dp: int, v: int, allowed) 
     # would repeat ZeRO-1's row, so it is not estimated (``_without_equal_zero_stages`` drops other repeats).
     stages = [z for z in (ZERO_STAGES if dp * cp > 1 else (cfg.optimizer.zero_stage,)) if allowed("zero_stage", z)]
     experts = cfg.model.num_experts or 1  # a dense model: ep 1 only
-    eps = [ep for ep in divisors(dp) if experts % ep == 0 and allowed("ep", ep)]
+    sharing_tp = tp if cfg.parallel.expert_tp == 1 else 1  # whole experts are shared out over tp x ep ranks
+    eps = [ep for ep in divisors(dp) if experts % (ep * sharing_tp) == 0 and allowed("ep", ep)]
     return [Layout(tp, pp, dp, v, b, recompute, zero, sp, domino, cp, ep)
             for b, (sp, domino), recompute, zero, ep in product(micro, modes, RECOMPUTE, stages, eps)
             if allowed("recompute", recompute) and not (zero == 2 and 1 in stages and batch // (b * dp) > 1)]

@@ -61,7 +61,7 @@ from ..parallel.topology import Topology
 from ..pipeline.schedules import virtual_stage
 from .hardware import GPU
 from .memory import per_model_layout, rank_parameter_split, stage_layers, weight_bytes
-from .moe import all_to_all_seconds, expert_replicas
+from .moe import all_to_all_seconds, expert_replicas, expert_sharers
 
 
 @dataclass(frozen=True)
@@ -92,13 +92,13 @@ class StepTime:
 
 
 @lru_cache(maxsize=4096)
-def _inside_one_node(sizes: tuple[int, int, int, int, int], order: str, group: tuple[str, ...],
-                     gpus_per_node: int) -> bool:
-    """Whether rank 0's group of a tp x cp x pp x dp grid with expert-parallel size ep (``sizes``) lies inside one
-    node: the group along the axes ``group`` names, or ``("ep",)`` / ``("expert_dp",)``, Topology's expert groups."""
-    tp, cp, pp, dp, ep = sizes
-    topology = Topology(tp * cp * pp * dp, tp, pp, dp, 1, order, cp=cp, ep=ep)
-    if group in (("ep",), ("expert_dp",)):
+def _inside_one_node(sizes: tuple, order: str, group: tuple[str, ...], gpus_per_node: int) -> bool:
+    """Whether rank 0's group of a tp x cp x pp x dp grid with expert-parallel size ep and expert TP (``sizes``)
+    lies inside one node: the group along the axes ``group`` names, or ``("expert",)`` / ``("expert_dp",)``,
+    Topology's token-exchange and expert-replica groups."""
+    tp, cp, pp, dp, ep, expert_tp = sizes
+    topology = Topology(tp * cp * pp * dp, tp, pp, dp, 1, order, cp=cp, ep=ep, expert_tp=expert_tp)
+    if group in (("expert",), ("expert_dp",)):
         members = getattr(topology, f"{group[0]}_groups")()[0]  # sorted: the first holds rank 0
     else:
         coordinates = product(*(range(topology.sizes[axis]) for axis in group))
@@ -167,7 +167,7 @@ def estimate_step_time(cfg: Config, dp: int, gpu: GPU, gpus_per_node: int,
                        assumptions: TimingAssumptions = TimingAssumptions()) -> StepTime:
     """Seconds per step of the layout in ``cfg`` with data-parallel size ``dp`` (see the module docstring)."""
     model, par, train = cfg.model, cfg.parallel, cfg.train
-    sizes = (par.tp, par.cp, par.pp, dp, par.ep)
+    sizes = (par.tp, par.cp, par.pp, dp, par.ep, par.expert_tp)
 
     def link(*group: str) -> float:
         """Bandwidth (bytes/s) of a group (see ``_inside_one_node``): NVLink when it lies inside one node."""
@@ -191,9 +191,9 @@ def estimate_step_time(cfg: Config, dp: int, gpu: GPU, gpus_per_node: int,
         pp_mb = 2 * par.virtual_pp * transfer
     cp_exposed, cp_hidden = (len(layers) * x for x in _ring_attention(cfg, gpu, link("cp"), assumptions))
     ep_mb = 0.0
-    if par.ep > 1:
+    if expert_sharers(par) > 1:
         moe_layers = sum(model.is_moe_layer(i) for i in layers)
-        ep_mb = all_to_all_seconds(cfg, moe_layers, e, link("ep"))
+        ep_mb = all_to_all_seconds(cfg, moe_layers, e, link("expert"))
     per_microbatch = compute_mb + (1 - hidden) * tp_mb + cp_exposed + pp_mb + ep_mb
 
     # context-parallel ranks reduce their gradients with the data-parallel ones; experts with their replicas only
