@@ -257,6 +257,7 @@ INVALID = [  # (overrides, world size, offending key)
     (["model.num_experts=6", "parallel.ep=3"], 2, "parallel.ep"),         # divides 6 experts, not dp 2
     (["model.num_experts=4", "parallel.ep=4", "parallel.dp=2"], 2, "parallel.ep"),  # more expert ranks than dp
     (["parallel.ep=2"], 2, "parallel.ep"),                                 # a dense model has no experts
+    (["parallel.tp=2", "parallel.expert_tp=1"], 2, "parallel.expert_tp"),  # nor experts to keep whole
     (["model.num_experts=4", "log.sync_debug=true"], 1, "log.sync_debug"),  # routing reads counts on the host
 ]
 

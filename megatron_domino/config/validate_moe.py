@@ -19,6 +19,9 @@ def check_moe(c, cfg: Config, dp: int | None) -> None:
         if p.ep > 1:
             c.fail("parallel.ep", p.ep, "expert parallelism needs experts (model.num_experts is unset)",
                    "set parallel.ep=1 or model.num_experts")
+        if p.expert_tp is not None:
+            c.fail("parallel.expert_tp", p.expert_tp, "experts' tensor parallelism needs experts "
+                   "(model.num_experts is unset)", "leave parallel.expert_tp unset or set model.num_experts")
         return
     c.one_of("model.moe_router", m.moe_router, MOE_ROUTERS)
     c.positive("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size, optional=True)
