@@ -143,7 +143,8 @@ class MoE(nn.Module):
         tokens, logits = tokens.flatten(0, 1), logits.flatten(0, 1)
         routing = route(logits, self.topk, self.router_kind, self.capacity_factor)
         # one stable sort by expert puts every expert's kept assignments together, in token order
-        key = torch.where(routing.kept & self._my_tokens(len(tokens)), routing.experts, self.num_experts).flatten()
+        kept = routing.kept if self.split else routing.kept & self._my_tokens(len(tokens))
+        key = torch.where(kept, routing.experts, self.num_experts).flatten()
         order = key.argsort(stable=True)
         sizes = torch.bincount(key, minlength=self.num_experts + 1).tolist()[:self.num_experts]
         assignments = order[:sum(sizes)]
@@ -156,12 +157,10 @@ class MoE(nn.Module):
         return Routed(shape, routing, assignments, token_ids, exchange, hidden, shared)
 
     def _my_tokens(self, count: int) -> torch.Tensor:
-        """[T, 1] bool: the tokens this rank's experts serve: all, or with whole experts this TP rank's slice."""
-        mine = torch.ones(count, 1, dtype=torch.bool, device=self.router.weight.device)
-        if not self.split:
-            size, rank = self.ctx.size, self.ctx.rank
-            mine[:count * rank // size] = False
-            mine[count * (rank + 1) // size:] = False
+        """[T, 1] bool: with whole experts, the slice of the tokens this TP rank routes."""
+        size, rank = self.ctx.size, self.ctx.rank
+        mine = torch.zeros(count, 1, dtype=torch.bool, device=self.router.weight.device)
+        mine[count * rank // size:count * (rank + 1) // size] = True
         return mine
 
     def _partial(self, routed: Routed) -> torch.Tensor:
