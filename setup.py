@@ -6,6 +6,7 @@ setup(
     version="0.1.0",
     description="GPT/Llama pretraining with Domino tensor parallelism, 1F1B pipelines and ZeRO data parallelism",
     packages=find_packages(include=["megatron_domino", "megatron_domino.*"]),
+    package_data={"megatron_domino.rehearsal": ["fake_cuda.cpp"]},  # compiled at first use (tools/rehearse.py)
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

@@ -259,6 +259,8 @@ INVALID = [  # (overrides, world size, offending key)
     (["parallel.ep=2"], 2, "parallel.ep"),                                 # a dense model has no experts
     (["parallel.tp=2", "parallel.expert_tp=1"], 2, "parallel.expert_tp"),  # nor experts to keep whole
     (["model.num_experts=4", "log.sync_debug=true"], 1, "log.sync_debug"),  # routing reads counts on the host
+    (["train.fp16=true", "log.sync_debug=true"], 1, "log.sync_debug"),     # the loss scaler reads its flag
+    (["data.mock_document_tokens=0"], 1, "data.mock_document_tokens"),
 ]
 
 
@@ -316,6 +318,19 @@ def test_row_split_with_micro_batch_one_warns_not_fails():
                                  "micro batch 1 runs the column split instead")
     column = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, domino_split="column"))
     assert validate_config(column, check_paths=False) == []
+
+
+def test_flash_with_fp32_weights_warns_without_a_device_and_fails_on_cuda():
+    """CUDA's flash kernel takes 16-bit inputs only: pinned to it, fp32 runs raise 'No available kernel' at the
+    first step on a GPU. Validation knows the device once the backend is chosen (the entry points pass it)."""
+    cfg = load_config(None, BASE + ["model.attention_backend=flash", "train.bf16=false"])
+    assert any("flash" in w for w in validate_config(cfg, check_paths=False))
+    assert validate_config(cfg, check_paths=False, device_type="cpu") == []
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg, check_paths=False, device_type="cuda")
+    assert err.value.keys == ["model.attention_backend"] and "train.bf16=true" in str(err.value)
+    bf16 = load_config(None, BASE + ["model.attention_backend=flash", "train.bf16=true"])
+    assert validate_config(bf16, check_paths=False, device_type="cuda") == []
 
 
 def test_sequence_parallel_without_tp_warns():

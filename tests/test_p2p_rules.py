@@ -88,27 +88,61 @@ def test_strict_transport_hangs_on_the_old_order_where_nccl_would():
     assert "send of sB0 to rank 0" in hang1 and "would block forever" in hang1
 
 
-def _early_receive_alone(rank, world_size):
-    """Rank 1 posts one group of two receives; rank 0 sends the second only after rank 1 has used the first."""
-    for p2p in (P2P(torch.device("cpu"), 30), StrictP2P(torch.device("cpu"), 30)):
+def _group_is_one_work(rank, world_size):
+    """The strict transport answers a group as NCCL does, with ONE work however many transfers it holds, and
+    the plain transport built on it still hands every receive its tensor (the old pairing of works with
+    transfers lost all but the first)."""
+    class Recording(StrictP2P):
+        def _launch(self, transfers, buffers):
+            works = super()._launch(transfers, buffers)
+            self.returned.append((len(transfers), len(works)))
+            return works
+
+    p2p = Recording(torch.device("cpu"), 30)
+    p2p.returned = []
+    received = _drive(p2p, build_schedule("1f1b", 2, 4)[rank], rank)
+    return received, p2p.returned
+
+
+def test_strict_transport_returns_one_work_per_group_as_nccl_does():
+    for received, returned in run_ranks(_group_is_one_work, 2, timeout=60):
+        assert received == 4
+        assert any(transfers > 1 for transfers, _ in returned) and all(works == 1 for _, works in returned), returned
+
+
+def _group_completes_whole(rank, world_size):
+    """Rank 1 posts one group of two receives and waits for the first; rank 0 sends the first at once and the
+    second only when rank 1 says its wait is still blocked."""
+    import threading
+    blocked = {}
+    for name, p2p in (("plain", P2P(torch.device("cpu"), 30)), ("strict", StrictP2P(torch.device("cpu"), 30))):
         first = Transfer(1 - rank, "first", (ACTIVATION, 0, 1), tensor=_value(ACTIVATION, 0) if rank == 0 else None,
                          shape=None if rank == 0 else SHAPE, dtype=torch.float32)
         second = Transfer(1 - rank, "second", (ACTIVATION, 1, 1), tensor=_value(ACTIVATION, 1) if rank == 0 else None,
                           shape=None if rank == 0 else SHAPE, dtype=torch.float32)
-        used = torch.zeros(1)
+        flag = torch.zeros(1)
         if rank == 0:
             p2p.post([first])
-            torch.distributed.recv(used, 1, tag=7)  # rank 1 computed with the first tensor
+            torch.distributed.recv(flag, 1, tag=7)  # rank 1: the first receive's wait has not returned
             p2p.post([second])
         else:
-            early, late = p2p.post([first, second])
-            assert torch.equal(early.wait(), _value(ACTIVATION, 0))
-            torch.distributed.send(used, 0, tag=7)
-            assert torch.equal(late.wait(), _value(ACTIVATION, 1))
+            early, late = p2p.post([first, second])  # returns at once: nothing is waited for at issue
+            got = {}
+            waiter = threading.Thread(target=lambda: got.setdefault("first", early.wait()))
+            waiter.start()
+            waiter.join(timeout=1.0)
+            blocked[name] = waiter.is_alive()
+            torch.distributed.send(flag, 0, tag=7)
+            waiter.join(timeout=30)
+            assert torch.equal(got["first"], _value(ACTIVATION, 0)) and torch.equal(late.wait(), _value(ACTIVATION, 1))
         p2p.drain()
+    return blocked
 
 
-def test_a_group_receive_is_waited_for_only_when_its_tensor_is_needed():
-    """The executor waits for a received tensor when a compute needs it, so a later receive of the same group
-    (here one whose sender waits for the first to be used) does not hold the first up."""
-    run_ranks(_early_receive_alone, 2, timeout=60)
+def test_a_group_completes_as_a_whole_as_on_nccl():
+    """Waiting for a group's first receive waits for all of it (NCCL completes a group as one work), on both
+    transports. So a schedule must never make a group's later transfer depend on the use of an earlier one:
+    on NCCL that deadlocks. The simulator holds every schedule to the stricter rule (a rank waits for a whole
+    group when it posts it), so the schedules are safe; the transports wait only when a tensor is needed."""
+    _, blocked = run_ranks(_group_completes_whole, 2, timeout=90)
+    assert blocked == {"plain": True, "strict": True}

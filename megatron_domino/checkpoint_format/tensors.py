@@ -202,7 +202,11 @@ def write(step_dir: str, state: dict[str, Stored], group=None) -> None:
     process writes everything). Files are fsynced; the index is written last, by the group's first rank."""
     try:
         with _process_mode() as alone:
-            dcp.save(state, storage_writer=FileSystemWriter(step_dir, sync_files=True, thread_count=1),
+            # per_thread_copy_ahead=0: DCP's serial loader, which makes no CUDA call for host tensors (its
+            # overlapping one takes the CUDA current stream and synchronizes it, from the async save's
+            # thread too, whenever CUDA is available)
+            writer = FileSystemWriter(step_dir, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
+            dcp.save(state, storage_writer=writer,
                      planner=_PieceSavePlanner(), process_group=group, no_dist=alone)
     except (dcp.api.CheckpointException, OSError) as problem:
         raise CheckpointError(f"writing the checkpoint into {step_dir} failed ({_first_failure(problem)}); nothing "

@@ -225,6 +225,7 @@ class DataConfig:
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
     mock: bool = False  # synthetic tokens, for tests and benchmarks only
+    mock_document_tokens: int = 32  # mock data: an EOD at about one position in this many (the mean document)
     index_build_timeout_s: float = 3600.0  # budget of index building (the watchdog's limit; others wait this long)
 
 

@@ -95,7 +95,7 @@ class _Checks:
             self.fail(key, value, f"must be divisible by {divisor_name} = {divisor}", fix)
 
 
-def _check_model(c: _Checks, cfg: Config) -> None:
+def _check_model(c: _Checks, cfg: Config, device_type: str | None) -> None:
     m = cfg.model
     sizes_ok = all([c.positive("model.num_layers", m.num_layers), c.positive("model.hidden_size", m.hidden_size),
                     c.positive("model.num_attention_heads", m.num_attention_heads),
@@ -112,8 +112,13 @@ def _check_model(c: _Checks, cfg: Config) -> None:
     c.one_of("model.recompute", m.recompute, RECOMPUTE)
     c.one_of("model.attention_backend", m.attention_backend, ATTENTION_BACKENDS)
     if m.attention_backend == "flash" and not (cfg.train.bf16 or cfg.train.fp16):
-        c.warnings.append("model.attention_backend=flash with fp32 weights runs on the CPU only: CUDA's flash "
-                          "kernel takes bf16 or fp16 (set train.bf16=true)")
+        if device_type == "cuda":
+            c.fail("model.attention_backend", "flash", "CUDA's flash kernel takes bf16 or fp16 only, and these "
+                   "weights are fp32: SDPA pinned to it raises 'No available kernel' at the first step",
+                   "set train.bf16=true, or model.attention_backend=auto (or efficient, which takes fp32)")
+        elif device_type is None:
+            c.warnings.append("model.attention_backend=flash with fp32 weights runs on the CPU only: CUDA's flash "
+                              "kernel takes bf16 or fp16 (set train.bf16=true)")
     c.positive("model.norm_eps", m.norm_eps)
     c.positive("model.init_std", m.init_std)
     c.in_range("model.attention_dropout", m.attention_dropout, 0.0, 1.0)
@@ -306,6 +311,7 @@ def _check_optimizer(c: _Checks, cfg: Config) -> None:
 def _check_data(c: _Checks, cfg: Config, check_paths: bool) -> None:
     d = cfg.data
     c.positive("data.index_build_timeout_s", d.index_build_timeout_s)
+    c.positive("data.mock_document_tokens", d.mock_document_tokens)
     if d.path is None and not d.mock:
         c.fail("data.path", None, "no data: data.path is unset and data.mock is false",
                "set data.path=[PREFIX] (PREFIX.bin/.idx from tools/preprocess_data.py) or data.mock=true")
@@ -371,6 +377,10 @@ def _check_operations(c: _Checks, cfg: Config) -> None:
             c.fail("train.spike_factor", t.spike_factor, "needs train.on_bad_step to say what a spike does",
                    "set train.on_bad_step=skip or train.on_bad_step=stop")
     c.positive("train.spike_window", t.spike_window)
+    if log.sync_debug and t.fp16:
+        c.fail("log.sync_debug", True, "fp16's loss scaler reads its overflow flag on the host in every step (to "
+               "skip an overflowed one), a host sync that sync_debug makes an error at step 3",
+               "use train.bf16=true (no loss scaling), or set log.sync_debug=false for fp16 runs")
     c.one_of("log.wandb_mode", log.wandb_mode, WANDB_MODES)
     c.at_least("log.straggler_interval", log.straggler_interval, 0)
     window = log.profile_steps
@@ -380,15 +390,17 @@ def _check_operations(c: _Checks, cfg: Config) -> None:
                "e.g. log.profile_steps=[10,12], or null for no trace")
 
 
-def validate_config(cfg: Config, world_size: int | None = None, check_paths: bool = True) -> list[str]:
+def validate_config(cfg: Config, world_size: int | None = None, check_paths: bool = True,
+                    device_type: str | None = None) -> list[str]:
     """Check every rule; raise one ``ConfigError`` listing all problems, or return the warnings.
 
     ``world_size`` (when known) checks tp * pp * dp against it; ``check_paths`` checks that the data,
-    tokenizer and checkpoint files exist. Configs built in code get the loader's type checks too.
+    tokenizer and checkpoint files exist; ``device_type`` ("cuda" or "cpu", when known) checks what only
+    one kind of device refuses. Configs built in code get the loader's type checks too.
     """
     cfg = config_from_dict(config_to_dict(cfg))
     c = _Checks()
-    _check_model(c, cfg)
+    _check_model(c, cfg, device_type)
     dp = _check_parallel(c, cfg, world_size)
     _check_train(c, cfg, dp)
     check_moe(c, cfg, dp)

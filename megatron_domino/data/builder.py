@@ -59,8 +59,8 @@ def build_train_valid_test_datasets(cfg: Config, num_samples: tuple[int, int, in
                          f"samples are needed; give train a positive share, e.g. '949,50,1'")
     if cfg.data.mock:
         options = _sample_options(cfg, cfg.model.vocab_size - 1)
-        return tuple(MockGPTDataset(n, cfg.model.vocab_size, options, cfg.train.seed, s) if want else None
-                     for s, (n, want) in enumerate(zip(num_samples, wanted)))
+        return tuple(MockGPTDataset(n, cfg.model.vocab_size, options, cfg.train.seed, s, cfg.data.mock_document_tokens)
+                     if want else None for s, (n, want) in enumerate(zip(num_samples, wanted)))
     options = _sample_options(cfg, _eod_token(cfg))
     blend = parse_data_path(cfg.data.path)
     indexed = {prefix: IndexedDataset(prefix) for prefix in blend.prefixes}

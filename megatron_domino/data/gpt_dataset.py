@@ -98,16 +98,16 @@ class GPTDataset(torch.utils.data.Dataset):
 
 class MockGPTDataset(torch.utils.data.Dataset):
     """Deterministic synthetic samples for tests and benchmarks: uniform random tokens below the EOD id, with an
-    EOD (vocab_size - 1) at about one position in 32 so that the reset flags have something to do.
+    EOD (vocab_size - 1) at about one position in ``document_tokens`` (``data.mock_document_tokens``) so that the
+    reset flags have documents to separate.
 
     Sample ``i`` depends only on (seed, split, i), never on the order of access or the parallel layout.
     """
 
-    EOD_RATE = 1 / 32
-
-    def __init__(self, num_samples: int, vocab_size: int, options: SampleOptions, seed: int, split_index: int):
+    def __init__(self, num_samples: int, vocab_size: int, options: SampleOptions, seed: int, split_index: int,
+                 document_tokens: int = 32):
         self.num_samples, self.vocab_size, self.options = int(num_samples), int(vocab_size), options
-        self.seed, self.split_index = int(seed), int(split_index)
+        self.seed, self.split_index, self.eod_rate = int(seed), int(split_index), 1.0 / document_tokens
 
     def __len__(self) -> int:
         return self.num_samples
@@ -117,7 +117,7 @@ class MockGPTDataset(torch.utils.data.Dataset):
             raise IndexError(f"sample {i} is outside the mock dataset of {self.num_samples}")
         rng = np.random.default_rng([self.seed, self.split_index, i])
         tokens = rng.integers(0, self.vocab_size - 1, self.options.seq_length + 1, dtype=np.int64)
-        tokens[rng.random(len(tokens)) < self.EOD_RATE] = self.vocab_size - 1
+        tokens[rng.random(len(tokens)) < self.eod_rate] = self.vocab_size - 1
         return tokens
 
     def __getitem__(self, i: int) -> dict:

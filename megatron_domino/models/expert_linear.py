@@ -9,10 +9,10 @@ divided by tp) are added per row after the product.
 """
 from __future__ import annotations
 
-from itertools import accumulate
-
 import torch
 import torch.nn.functional as F
+
+from ..parallel.device import to_device
 
 # torch's grouped GEMM: public since 2.9, private before
 grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -41,9 +41,11 @@ def experts_linear(rows: torch.Tensor, sizes: list[int], linears: list, grouped:
     if not grouped or rows.shape[0] == 0:  # grouped_mm refuses an empty operand
         return torch.cat([F.linear(part, linear.weight, None if linear.bias is None else linear.bias / bias_divisor)
                           for part, linear in zip(rows.split(sizes), linears)])
-    ends = torch.tensor(list(accumulate(sizes)), dtype=torch.int32).to(rows.device)
+    # one non-blocking copy of the host counts (a plain torch.tensor(...).to(device) would block the host)
+    counts = to_device(torch.tensor(sizes, dtype=torch.int32), rows.device)
+    ends = counts.cumsum(0, dtype=torch.int32)
     out = _GroupedLinear.apply(rows, ends, *(linear.weight for linear in linears))
     if linears[0].bias is None:
         return out
-    expert_of_row = torch.repeat_interleave(torch.tensor(sizes).to(rows.device), output_size=rows.shape[0])
+    expert_of_row = torch.repeat_interleave(counts, output_size=rows.shape[0])
     return out + (torch.stack([linear.bias for linear in linears]) / bias_divisor)[expert_of_row]

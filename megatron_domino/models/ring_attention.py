@@ -46,10 +46,12 @@ def chunk_starts(seq_length: int, cp_size: int, cp_rank: int) -> tuple[int, int]
     return cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
 
 
-def local_positions(seq_length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Global positions of this rank's tokens, in the order it holds them (int64 [seq_length / cp])."""
+def local_positions(seq_length: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Global positions of this rank's tokens, in the order it holds them (int64 [seq_length / cp]), made on
+    ``device`` (built there, not copied from the host)."""
     chunk = seq_length // (2 * cp_size)
-    return torch.cat([torch.arange(start, start + chunk) for start in chunk_starts(seq_length, cp_size, cp_rank)])
+    return torch.cat([torch.arange(start, start + chunk, device=device)
+                      for start in chunk_starts(seq_length, cp_size, cp_rank)])
 
 
 def split_for_context_parallel(batch: dict, cp_size: int, cp_rank: int) -> dict:
@@ -60,8 +62,8 @@ def split_for_context_parallel(batch: dict, cp_size: int, cp_rank: int) -> dict:
     seq_length = batch["tokens"].shape[1]
     index = local_positions(seq_length, cp_size, cp_rank)
     part = {key: value if key == "doc_offsets" else value.index_select(1, index) for key, value in batch.items()}
-    if "position_ids" not in part:
-        part["position_ids"] = index.expand(batch["tokens"].shape[0], -1)
+    if "position_ids" not in part:  # whole rows, not a stride-0 view: the copy to the device needs dense memory
+        part["position_ids"] = index.repeat(batch["tokens"].shape[0], 1)
     return part
 
 

@@ -179,8 +179,8 @@ class DistributedOptimizer:
         are disjoint (ZeRO-1/2), it gives the global norm. Without ZeRO, experts' squares are first summed
         over the expert-parallel group, whose ranks hold different experts (with ZeRO, DP covers it)."""
         counted = [f for f in self.fragments if self.infos[id(f.param)].counts_once(self.tp_rank)]
-        dense = local_squared_norm([f.grad for f in counted if not self.infos[id(f.param)].expert]).to(self.device)
-        experts = local_squared_norm([f.grad for f in counted if self.infos[id(f.param)].expert]).to(self.device)
+        dense = local_squared_norm([f.grad for f in counted if not self.infos[id(f.param)].expert], self.device)
+        experts = local_squared_norm([f.grad for f in counted if self.infos[id(f.param)].expert], self.device)
         if self.ep_group is not None and self.zero_stage == 0:
             dist.all_reduce(experts, group=self.ep_group)
         return dense + experts

@@ -13,9 +13,11 @@ import torch.distributed as dist
 from ..tensor_parallel.sharding import sharding_table
 
 
-def local_squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+def local_squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of ``grads`` as a 0-dim fp32 tensor on ``device``, made there even for no gradients (a
+    host zero copied over would be a synchronising copy in every step)."""
     if not grads:
-        return torch.zeros((), dtype=torch.float32)
+        return torch.zeros((), dtype=torch.float32, device=device)
     return torch.stack([g.float().pow(2).sum() for g in grads]).sum()
 
 
@@ -32,5 +34,5 @@ def model_grad_norm(model, tp_rank: int, groups) -> torch.Tensor:
     """Norm of ``.grad`` over an unsharded (non-ZeRO) model's parameters, each element once."""
     table = sharding_table(model)
     grads = [p.grad for name, p in model.named_parameters() if p.grad is not None and table[name].counts_once(tp_rank)]
-    device = grads[0].device if grads else torch.device("cpu")
-    return global_norm(local_squared_norm(grads).to(device), groups)
+    device = next(model.parameters()).device
+    return global_norm(local_squared_norm(grads, device), groups)

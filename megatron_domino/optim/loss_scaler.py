@@ -27,6 +27,8 @@ import torch.distributed as dist
 
 from ..config.errors import ConfigError, Problem
 from ..config.schema import OptimizerConfig
+from ..parallel.device import cuda
+from ..parallel.strict import served_devices
 
 
 class LossScaler:
@@ -166,12 +168,14 @@ def _by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> dict:
 
 
 def _flag_device(flags: list, group, distributed: bool) -> torch.device:
-    """Where the flag must live for the all-reduce: NCCL needs the current GPU, gloo the CPU."""
-    if distributed and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if distributed:
-        return torch.device("cpu")
-    return flags[0].device if flags else torch.device("cpu")
+    """Where the flag must live for the all-reduce: beside the gradients where the group serves their device
+    (NCCL: the current GPU), else the host (gloo); a rank without gradients picks as the others do."""
+    if not distributed:
+        return flags[0].device if flags else torch.device("cpu")
+    served = served_devices(group if group is not None else dist.group.WORLD)
+    if flags and flags[0].device.type in served:
+        return flags[0].device
+    return torch.device("cpu") if "cpu" in served else torch.device("cuda", cuda.current_device())
 
 
 def _entry(state: dict, key: str, owner: str):

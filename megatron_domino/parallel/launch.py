@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..config.errors import LaunchError
 from ..config.schema import BACKENDS
+from .device import cuda
 
 
 def _slurm_to_torchrun_env() -> None:
@@ -48,10 +49,16 @@ def free_port() -> int:
 
 def choose_backend(backend: str = "auto") -> str:
     if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
+        return "nccl" if cuda.is_available() else "gloo"
     if backend not in BACKENDS:
         raise LaunchError(f"parallel.backend = {backend!r}: must be auto, nccl or gloo. Fix: use auto.")
     return backend
+
+
+def device_type_for(backend: str) -> str:
+    """"cuda" or "cpu": the kind of device the ``parallel.backend`` setting will run on (an invalid setting
+    counts as the CPU here; validation names it)."""
+    return "cuda" if backend in BACKENDS and choose_backend(backend) == "nccl" else "cpu"
 
 
 def device_for(backend: str) -> torch.device:
@@ -62,13 +69,13 @@ def device_for(backend: str) -> torch.device:
     """
     if backend != "nccl":
         return torch.device("cpu")
-    visible = torch.cuda.device_count()
+    visible = cuda.device_count()
     if visible == 0:
         raise LaunchError(f"parallel.backend = nccl but this process sees no CUDA device (CUDA_VISIBLE_DEVICES="
                            f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}). Fix: request GPUs for every task "
                            f"(e.g. srun --gpus-per-task=1), or use parallel.backend=gloo on CPUs.")
     index = int(os.environ.get("LOCAL_RANK", "0")) % visible
-    torch.cuda.set_device(index)
+    cuda.set_device(index)
     return torch.device("cuda", index)
 
 

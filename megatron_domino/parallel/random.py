@@ -12,18 +12,20 @@ import contextlib
 
 import torch
 
+from .device import cuda
+
 TENSOR_PARALLEL_STREAM = "tensor-parallel"
 _TP_SEED_OFFSET = 2718
 _PIPELINE_SEED_STRIDE = 100
 
 
 def _device_get_state(device: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+    return cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
 def _device_set_state(state: torch.Tensor, device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
+        cuda.set_rng_state(state, device)
     else:
         torch.set_rng_state(state)
 
@@ -43,7 +45,7 @@ class RNGTracker:
 
     def _seed_device(self, seed: int) -> None:
         if self.device.type == "cuda":
-            torch.cuda.manual_seed(seed)
+            cuda.manual_seed(seed)
         else:
             torch.manual_seed(seed)
 
@@ -84,7 +86,7 @@ def seed_streams(seed: int, tp_rank: int = 0, pp_rank: int = 0, device: torch.de
     _tracker = RNGTracker(device)
     torch.manual_seed(default_seed)
     if device is not None and device.type == "cuda":
-        torch.cuda.manual_seed(default_seed)
+        cuda.manual_seed(default_seed)
     _tracker.add(TENSOR_PARALLEL_STREAM, default_seed + _TP_SEED_OFFSET + tp_rank)
 
 
@@ -92,12 +94,12 @@ def capture_rng_state() -> dict:
     """Every stream's state: CPU, CUDA (when present) and the tracker's named streams."""
     state = {"cpu": torch.get_rng_state(), "tracker": _tracker.get_states()}
     if _tracker.device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(_tracker.device)
+        state["cuda"] = cuda.get_rng_state(_tracker.device)
     return state
 
 
 def restore_rng_state(state: dict) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and _tracker.device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], _tracker.device)
+        cuda.set_rng_state(state["cuda"], _tracker.device)
     _tracker.set_states(state["tracker"])

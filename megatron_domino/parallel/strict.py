@@ -52,7 +52,7 @@ def _tensors(value):
             yield from _tensors(item.tensor if isinstance(item, dist.P2POp) else item)
 
 
-def _served_devices(group) -> set[str]:
+def served_devices(group) -> set[str]:
     """Device types the group's backends serve: from 'cpu:gloo,cuda:gloo' or 'cuda:nccl'."""
     config = dist.get_backend_config(group)
     return {entry.split(":")[0] for entry in config.split(",")}
@@ -62,7 +62,7 @@ def check_collective(name: str, args: tuple, kwargs: dict) -> None:
     group = kwargs.get("group")
     if group is None:
         group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
-    served = _served_devices(group if group is not None else dist.group.WORLD)
+    served = served_devices(group if group is not None else dist.group.WORLD)
     for tensor in (t for value in list(args) + list(kwargs.values()) for t in _tensors(value)):
         if isinstance(tensor, HostCopy):
             raise RuntimeError(f"torch.distributed.{name} was given a host copy (made by to_host) of shape "

@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..parallel.device import to_device
 from ..parallel.launch import collective_timeout_s
 from ..parallel.strict import strict_enabled
-from .device_batches import DeviceBatches, to_device
+from .device_batches import DeviceBatches
 from .executor import PipelineExecutor, StageContext
 from .p2p import P2P
 from .schedules import build_schedule, schedule_kind

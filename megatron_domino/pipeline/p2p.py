@@ -4,13 +4,18 @@ NCCL ignores tags, matches a pair's transfers in issue order, and completes a la
 only once the peer's receive runs. So every transfer goes out in a group
 (``batch_isend_irecv``) that the schedule built to pair a send with the receive its peer
 is waiting to post (see ``schedules.add_transfers``), no tags are used, and nothing
-relies on buffering. A receive is waited for only when its tensor is needed (``Arrival``), so a
-group's later receive does not hold up the compute that needs only an earlier one. On CUDA the
-wait goes on the compute stream and the CPU runs on; on the CPU (gloo) it blocks with the
-collective timeout, naming the peer. A dead
-peer is reported by the watchdog either way: its timeout is the shorter one. Sends are
-kept until complete, so their buffers live as long as NCCL reads them. With
-``variable_shapes`` a group first exchanges the shapes (one int64 tensor per transfer).
+relies on buffering.
+
+A group completes as a whole. On a backend that coalesces (NCCL) ``batch_isend_irecv`` returns ONE
+work for the whole group; gloo returns one per operation. Either way the group's works are kept
+together (``GroupWork``) and waiting for any receive of a group waits for all of it, sends included,
+which is what NCCL does. The wait happens when a received tensor is first needed (``Arrival``), not
+when the group is issued: on CUDA it is a stream wait placed just before the consuming compute, so
+everything queued before it runs without waiting for the transfer, and the CPU never blocks; on the
+CPU (gloo) it blocks with the collective timeout, naming the peer. A dead peer is reported by the
+watchdog either way: its timeout is the shorter one. Sends are kept until their group completes, so
+their buffers live as long as NCCL reads them. With ``variable_shapes`` a group first exchanges the
+shapes (one int64 tensor per transfer).
 
 On NCCL, ``init_process_group(device_id=...)`` creates the communicator eagerly, which
 batched p2p needs when it is the first operation a group sees.
@@ -48,16 +53,26 @@ class Transfer:
         return self.tensor is not None
 
 
-class Arrival:
-    """A posted receive; ``wait()`` returns its tensor once it has arrived (on CUDA: for the current stream)."""
+class GroupWork:
+    """The works of one ``batch_isend_irecv`` group, completed as a whole: one work on NCCL, one per
+    operation on gloo (never matched to the operations one by one)."""
 
-    def __init__(self, p2p: "P2P", work, transfer: Transfer, tensor: torch.Tensor):
-        self._p2p, self._work, self.transfer, self.tensor = p2p, work, transfer, tensor
+    def __init__(self, works: list):
+        self.works, self.done = list(works), False
+
+    def is_completed(self) -> bool:
+        return self.done or all(work.is_completed() for work in self.works)
+
+
+class Arrival:
+    """A posted receive; ``wait()`` returns its tensor once its group has completed (on CUDA: for the
+    current stream)."""
+
+    def __init__(self, p2p: "P2P", group: GroupWork, transfer: Transfer, tensor: torch.Tensor):
+        self._p2p, self._group, self.transfer, self.tensor = p2p, group, transfer, tensor
 
     def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            self._p2p._wait(self._work, self.transfer)
-            self._work = None
+        self._p2p._wait(self._group, self.transfer)
         return self.tensor
 
 
@@ -66,7 +81,7 @@ class P2P:
         self.device, self.variable_shapes = device, variable_shapes
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.waits_on_stream = device.type == "cuda"
-        self._pending_sends: list[tuple[object, torch.Tensor]] = []
+        self._pending_sends: list[tuple[GroupWork, torch.Tensor]] = []
         self._wait_seconds = 0.0
 
     def exchange(self, transfers: list[Transfer]) -> list[torch.Tensor]:
@@ -82,13 +97,13 @@ class P2P:
     def _post(self, transfers: list[Transfer]) -> list[Arrival]:
         buffers = [t.tensor.detach().contiguous() if t.is_send else
                    torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in transfers]
-        works = self._launch(transfers, buffers)
+        group = GroupWork(self._launch(transfers, buffers))
         received = []
-        for transfer, buffer, work in zip(transfers, buffers, works):
+        for transfer, buffer in zip(transfers, buffers):
             if transfer.is_send:
-                self._pending_sends.append((work, buffer))
+                self._pending_sends.append((group, buffer))
             else:
-                received.append(Arrival(self, work, transfer, buffer))
+                received.append(Arrival(self, group, transfer, buffer))
         self.prune()
         return received
 
@@ -111,6 +126,7 @@ class P2P:
                 t.shape = tuple(header[1:int(header[0]) + 1].tolist())
 
     def _launch(self, transfers: list[Transfer], buffers: list[torch.Tensor]) -> list:
+        """Issue the group; returns its works (how many depends on the backend: see ``GroupWork``)."""
         ops = [dist.P2POp(dist.isend if t.is_send else dist.irecv, buffer, t.peer)
                for t, buffer in zip(transfers, buffers)]
         return dist.batch_isend_irecv(ops)
@@ -121,27 +137,35 @@ class P2P:
         seconds, self._wait_seconds = self._wait_seconds, 0.0
         return seconds
 
-    def _wait(self, work, transfer: Transfer) -> None:
+    def _wait(self, group: GroupWork, transfer: Transfer | None) -> None:
+        """Wait for ``group`` as a whole (``transfer``: what the wait is for, named if it times out)."""
+        if group.done:
+            return
         if self.waits_on_stream:
-            work.wait()  # the current stream waits; the CPU does not
+            for work in group.works:
+                work.wait()  # the current stream waits; the CPU does not
+            group.done = True
             return
         start = time.perf_counter()
-        try:
-            completed = work.wait(self.timeout)
-        except RuntimeError as error:
-            raise P2PTimeout(f"pipeline receive of {transfer.label} from rank {transfer.peer} failed or timed out "
-                             f"after {self.timeout.total_seconds():.0f}s: {error}") from error
+        what = (f"pipeline receive of {transfer.label} from rank {transfer.peer}" if transfer is not None
+                else "pipeline send at the end of the schedule")
+        for work in group.works:
+            try:
+                completed = work.wait(self.timeout)
+            except RuntimeError as error:
+                raise P2PTimeout(f"{what} failed or timed out after {self.timeout.total_seconds():.0f}s: "
+                                 f"{error}") from error
+            if completed is False:
+                raise P2PTimeout(f"{what} timed out after {self.timeout.total_seconds():.0f}s")
         self._wait_seconds += time.perf_counter() - start
-        if completed is False:
-            raise P2PTimeout(f"pipeline receive of {transfer.label} from rank {transfer.peer} timed out after "
-                             f"{self.timeout.total_seconds():.0f}s")
+        group.done = True
 
     def prune(self) -> None:
-        """Drop sends that have completed, releasing their buffers."""
-        self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
+        """Drop sends whose group has completed, releasing their buffers."""
+        self._pending_sends = [(g, t) for g, t in self._pending_sends if not g.is_completed()]
 
     def drain(self) -> None:
-        """Wait for every send (on the stream under CUDA): the end of a schedule."""
-        for work, _ in self._pending_sends:
-            work.wait() if self.waits_on_stream else work.wait(self.timeout)
+        """Wait for every send's group (on the stream under CUDA): the end of a schedule."""
+        for group, _ in self._pending_sends:
+            self._wait(group, None)
         self._pending_sends = []

@@ -198,7 +198,7 @@ def _split_units(program: list) -> set[tuple[int, int]]:
     return {(s.chunk, s.microbatch) for s in program if s.op == "backward_weight"}
 
 
-def _max_in_flight(program: list) -> int:
+def max_in_flight(program: list) -> int:
     """Most micro-batches holding activations: from the forward to the backward, or to the W where split."""
     split, alive, peak = _split_units(program), 0, 0
     for step in program:
@@ -255,7 +255,7 @@ def simulate(schedule: list[list], num_microbatches: int, virtual_pp: int = 1, c
         raise ScheduleError("deadlock under NCCL's rules: " + "; ".join(
             _blocked(schedule, counterpart, posted_at, pc, r, virtual_pp) for r in range(pp)))
     return SimulationResult(pp=pp, virtual_pp=virtual_pp, num_microbatches=num_microbatches, spans=spans,
-                            makespan=max(clock), max_in_flight=[_max_in_flight(p) for p in schedule])
+                            makespan=max(clock), max_in_flight=[max_in_flight(p) for p in schedule])
 
 
 def _blocked(schedule, counterpart, posted_at, pc, rank: int, virtual_pp: int) -> str:

@@ -43,6 +43,9 @@ class WeightGradients:
 
     groups: list[tuple[list[GradientEdge], list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=list)
     whole: tuple | None = None  # (output, grad): a stage without an input runs its whole backward as W
+    # the stage output, kept until W: its graph's custom-Function nodes must stay alive for W's edges (torch
+    # 2.11 invalidates a Function node whose output is gone; the output's data was already released)
+    graph: torch.Tensor | None = None
 
 
 def _graph(root) -> list:
@@ -132,7 +135,9 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
     finally:
         for hook in hooks:
             hook.remove()
-    return input_grad, _pending([g for g in groups if not any(g is e for e in early)], recorded, leaves)
+    pending = _pending([g for g in groups if not any(g is e for e in early)], recorded, leaves)
+    pending.graph = output
+    return input_grad, pending
 
 
 def _pending(groups: list[list], recorded: dict, leaves: dict) -> WeightGradients:

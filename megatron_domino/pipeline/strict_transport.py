@@ -7,8 +7,10 @@ gloo. This transport removes both reliefs:
   what NCCL does with any tensor larger than its buffer): each receiver announces every receive
   to its sender on a side channel, saying what it expects there (activation or gradient,
   micro-batch, stage, dtype, shape), and the sender waits for that announcement;
-- the receives of a group are announced before any of its sends waits, so a group completes
-  together, as an NCCL group does.
+- the receives of a group are announced before any of its sends waits, and the group comes back
+  as ONE work that completes when all of its operations have, which is what NCCL's
+  ``batch_isend_irecv`` returns (gloo returns one work per operation): code that pairs works with
+  operations loses receives here as it would on NCCL.
 A send whose receive is never posted times out with the message NCCL never gives (the deadlock,
 named); an announcement that does not describe what is being sent is an error too (NCCL would
 deliver the wrong tensor). The switch is ``parallel.strict``'s (``parallel.strict_transport: true`` or
@@ -43,6 +45,22 @@ def _render(description: torch.Tensor) -> str:
             f"({dtype}, shape {tuple(shape[:dims])})")
 
 
+class CoalescedWork:
+    """NCCL's answer to a ``batch_isend_irecv``: one work for the whole group, complete when all of it is."""
+
+    def __init__(self, works: list):
+        self._works = works
+
+    def wait(self, timeout=None) -> bool:
+        for work in self._works:
+            if (work.wait(timeout) if timeout is not None else work.wait()) is False:
+                return False
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
 class StrictP2P(P2P):
     """``P2P`` with NCCL's rendezvous and order rules enforced on gloo (gloo only: the announcements are
     small tagged sends that gloo buffers; NCCL would neither honour the tag nor take a CPU tensor)."""
@@ -65,7 +83,7 @@ class StrictP2P(P2P):
             if transfer.is_send:
                 self._await_receiver(transfer, _describe(transfer.key, buffer))
         self._announcements = [(w, t) for w, t in self._announcements if not w.is_completed()]
-        return super()._launch(transfers, buffers)
+        return [CoalescedWork(super()._launch(transfers, buffers))]
 
     def _await_receiver(self, transfer: Transfer, mine: torch.Tensor) -> None:
         theirs = torch.empty_like(mine)

@@ -57,9 +57,10 @@ In flight: a rank holds the activations of every micro-batch whose forward has r
 not. 1F1B: min(pp - rank, m) on rank ``rank``; interleaved: Megatron's warm-up count + 1 chunk-micro-
 batches (``pipeline.schedules.interleaved_warmup``), each sized by the rank's largest chunk.
 
-Transient peaks: the loss's forward briefly holds the logits (e), their fp32 copy (16-bit runs), a
-masked copy (padded vocabularies) and the shifted logits next to the softmax; backward temporaries
-(gradients of one layer's tensors) are not counted. The fixed ``overhead`` (hardware.py) covers the
+Transient peaks: when the loss's forward computes its softmax it holds the logits (e), one fp32 copy of
+them (16-bit runs, or the masked copy of padded vocabularies: the masked one replaces the plain fp32 copy,
+which is dropped as it is made) and the shifted logits next to the softmax (the rehearsal measured exactly
+this: ``tools/rehearse.py``); backward temporaries (gradients of one layer's tensors) are not counted. The fixed ``overhead`` (hardware.py) covers the
 CUDA context, NCCL buffers and fragmentation.
 """
 from __future__ import annotations
@@ -283,8 +284,8 @@ def loss_transient_bytes(cfg: Config) -> float:
     e, t = weight_bytes(cfg), cfg.parallel.tp
     model = cfg.model
     vocab = model.padded_vocab_size(t) / t
-    copies = e + (4 if e != 4 else 0) + (4 if model.padded_vocab_size(t) > model.vocab_size else 0) + 4
-    return copies * vocab
+    fp32_copy = e != 4 or model.padded_vocab_size(t) > model.vocab_size  # a cast, or the masked copy
+    return (e + (4 if fp32_copy else 0) + 4) * vocab
 
 
 def in_flight(cfg: Config, dp: int) -> list[int]:

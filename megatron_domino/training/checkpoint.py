@@ -29,6 +29,7 @@ from ..config.errors import CheckpointError
 from ..config.loader import config_to_dict
 from ..models.full_state import saved_parameters
 from ..optim.sharded_state import ShardedStateLoad, checkpoint_meta, checkpoint_regions
+from ..parallel.device import cuda
 from ..parallel.random import capture_rng_state, restore_rng_state
 from ..parallel.store_barrier import Phase
 from ..parallel.strict import to_host
@@ -77,17 +78,23 @@ class Checkpointer:
 
     def __init__(self, cfg, state, run_id: str = ""):
         self.cfg, self.state, self.run_id = cfg, state, run_id
-        budget = max(cfg.checkpoint.save_timeout_s, cfg.checkpoint.load_timeout_s)
-        self.group = (dist.new_group(backend="gloo", timeout=timedelta(seconds=budget))
-                      if dist.is_initialized() else None)
+        self.group = None  # the gloo group DCP coordinates over, made at the first save or load (``_connect``)
         self._writer: threading.Thread | None = None
         self._failure: BaseException | None = None
+
+    def _connect(self) -> None:
+        """Create the gloo group of DCP's coordination, on the main thread of every rank at once (a save or
+        a load is collective), with the phases' budget as its timeout; a run that never saves has none."""
+        if self.group is None and dist.is_initialized():
+            budget = max(self.cfg.checkpoint.save_timeout_s, self.cfg.checkpoint.load_timeout_s)
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=budget))
 
     def save(self, root: str, step: int, *, chunks, optimizer, schedule, consumed_samples: int, keep: int,
              phase: Phase | None = None) -> str:
         """Write step ``step`` under ``root``; returns its final directory. With ``checkpoint.async_save`` it
         returns once the state is staged in host memory, and the directory appears when the write is done."""
         self.wait()
+        self._connect()
         phase = phase or save_phase(self.cfg)
         tmp = fmt.tmp_step_dir(root, step, self.run_id)
         if self.state.rank == 0:
@@ -118,7 +125,11 @@ class Checkpointer:
             dist.barrier(group=self.group)  # no rank reports a save done before it is published
 
     def _in_background(self, *args) -> None:
+        """The async save's thread: it starts on CUDA device 0 (every thread does), so it takes this rank's
+        device first; otherwise any CUDA call in it would open a context on GPU 0 for every rank of a node."""
         try:
+            if self.state.device.type == "cuda":
+                cuda.set_device(self.state.device.index)
             self._write_and_publish(*args)
         except BaseException as problem:  # noqa: BLE001 - raised on the main thread by wait()
             self._failure = problem
@@ -144,6 +155,7 @@ class Checkpointer:
         Ends when every rank has loaded, so no rank's first collective waits out a slow reader.
         """
         self.wait()
+        self._connect()
         phase = phase or load_phase(self.cfg)
         metadata = fmt.read_metadata(path)
         fmt.check_compatible(metadata, self.cfg.model)

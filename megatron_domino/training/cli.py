@@ -20,6 +20,7 @@ import traceback
 import warnings
 
 from ..config import ConfigError, load_config, validate_config
+from ..parallel.launch import device_type_for
 
 
 def _world_size() -> int:
@@ -48,7 +49,8 @@ def main(argv=None, family: str = "GPT") -> int:
             print(dry_run(cfg, world))
             return 0
         check_paths = not (cfg.data.mock or args.print_schedule)  # printing a schedule reads no files
-        for message in validate_config(cfg, world_size=world, check_paths=check_paths):
+        device_type = device_type_for(cfg.parallel.backend)
+        for message in validate_config(cfg, world_size=world, check_paths=check_paths, device_type=device_type):
             warnings.warn(message, stacklevel=1)
         if args.eval_only and not cfg.checkpoint.load:
             raise ConfigError("checkpoint.load", None, "--eval-only needs a checkpoint to evaluate",

@@ -13,9 +13,10 @@ import time
 import torch
 
 from ..config.errors import ConfigError
+from ..parallel.device import cuda
 from .moe_metrics import format_moe
 
-# Dense bf16 peak TFLOP/s per device, by a substring of torch.cuda.get_device_name().
+# Dense bf16 peak TFLOP/s per device, by a substring of the device name.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
 
 
@@ -24,14 +25,14 @@ def device_peak_tflops(device: torch.device, configured: float | None) -> float 
         return configured
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
+    name = cuda.get_device_name(device)
     return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
 
 
 def memory_gib(device: torch.device) -> tuple[float, float]:
     """(in use, peak) in GiB: the CUDA allocator on GPUs, the process's resident set on the CPU."""
     if device.type == "cuda":
-        return torch.cuda.memory_allocated(device) / 2**30, torch.cuda.max_memory_allocated(device) / 2**30
+        return cuda.memory_allocated(device) / 2**30, cuda.max_memory_allocated(device) / 2**30
     with open("/proc/self/statm") as f:
         resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     return resident / 2**30, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -53,7 +54,7 @@ class Timers:
 
     def stop(self, name: str) -> None:
         if self.synchronize:
-            torch.cuda.synchronize(self.device)
+            cuda.synchronize(self.device)
         self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - self._starts.pop(name)
 
     def add(self, name: str, seconds: float) -> None:

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from ..parallel.device import cuda
+
 
 class ProfileWindow:
     def __init__(self, steps: list[int], log_dir: str, rank: int, device: torch.device, memory: bool,
@@ -35,7 +37,7 @@ class ProfileWindow:
         self._profiler = profile(activities=activities)
         self._profiler.__enter__()
         if self.memory:
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+            cuda.record_memory_history(1_000_000)
 
     def after_step(self, step: int) -> None:
         if step >= self.end:
@@ -50,9 +52,9 @@ class ProfileWindow:
         os.makedirs(self.folder, exist_ok=True)
         profiler.export_chrome_trace(os.path.join(self.folder, f"trace-rank{self.rank}.json"))
         if self.memory:
-            torch.cuda.memory._dump_snapshot(os.path.join(self.folder, f"memory-rank{self.rank}.pickle"))
+            cuda.dump_memory_snapshot(os.path.join(self.folder, f"memory-rank{self.rank}.pickle"))
             if not self.keep_history:
-                torch.cuda.memory._record_memory_history(enabled=None)
+                cuda.record_memory_history(None)
 
 
 class OomSnapshot:
@@ -63,16 +65,16 @@ class OomSnapshot:
         self.enabled = enabled and device.type == "cuda"
         self.path = os.path.join(log_dir, "profile", f"oom-rank{rank}.pickle")
         if self.enabled:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            cuda.record_memory_history(100_000)
 
     @contextmanager
     def watching(self):
         try:
             yield
-        except torch.cuda.OutOfMemoryError:
+        except cuda.OutOfMemoryError:
             if self.enabled:
                 os.makedirs(os.path.dirname(self.path), exist_ok=True)
-                torch.cuda.memory._dump_snapshot(self.path)
+                cuda.dump_memory_snapshot(self.path)
                 print(f"out of device memory: the allocator's history is in {self.path} "
                       f"(open it at https://pytorch.org/memory_viz)", flush=True)
             raise

@@ -19,6 +19,8 @@ import signal
 import torch
 import torch.distributed as dist
 
+from ..parallel.device import cuda
+
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 INTERRUPTED = 128 + signal.SIGINT  # the shell's status for a process ended by Ctrl-C
 
@@ -28,7 +30,7 @@ class PreemptionHandler:
         self.received: int | None = None
         self._flag = torch.zeros(1, device=device)
         self._host = torch.zeros(1, pin_memory=True) if self._flag.is_cuda else self._flag
-        self._copied = torch.cuda.Event() if self._flag.is_cuda else None
+        self._copied = cuda.Event() if self._flag.is_cuda else None
         self._wait_for_flag = None  # set while a launched flag has not been read
         self._previous = {}
         for sig in PREEMPTION_SIGNALS:

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from ..parallel.device import cuda
+
 SLOWEST_SHOWN = 3
 
 
@@ -42,7 +44,7 @@ class StragglerReport:
         if not self.measures(step):
             return
         if self.device.type == "cuda" and not torch.autograd._profiler_enabled():
-            torch.cuda.synchronize(self.device)
+            cuda.synchronize(self.device)
             self._kernels = profile(activities=[ProfilerActivity.CUDA])
             self._kernels.__enter__()
         self._start = self._clock()
@@ -65,7 +67,7 @@ class StragglerReport:
     def _clock(self) -> float:
         if self.device.type != "cuda":
             return time.thread_time()
-        torch.cuda.synchronize(self.device)
+        cuda.synchronize(self.device)
         return time.perf_counter()
 
     def _report(self, step: int, seconds: list[float]) -> None:

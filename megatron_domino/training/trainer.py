@@ -24,6 +24,7 @@ from ..optim import LRSchedule
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..parallel import Topology, init_distributed
 from ..parallel import state as parallel_state
+from ..parallel.device import cuda
 from ..parallel.launch import collective_timeout_s
 from ..parallel.random import seed_streams
 from ..parallel.store_barrier import Phase
@@ -46,14 +47,16 @@ def param_dtype(train) -> torch.dtype:
 
 
 class Trainer:
-    def __init__(self, cfg, writes_checkpoints: bool = True):
-        """``writes_checkpoints`` False (evaluation) leaves checkpoint.dir alone: no lock, no checks."""
+    def __init__(self, cfg, writes_checkpoints: bool = True, print_rank_map: bool = True):
+        """``writes_checkpoints`` False (evaluation) leaves checkpoint.dir alone: no lock, no checks.
+        ``print_rank_map`` False skips gathering the host names for the start-up rank map (a rehearsal,
+        whose fake process group moves no data, prints its own)."""
         self.cfg = cfg
         par = cfg.parallel
         self.device = init_distributed(par.backend, collective_timeout_s(par))
         topology = Topology.from_config(par, dist.get_world_size())
         self.state = parallel_state.initialize(topology, self.device, collective_timeout_s(par),
-                                                strict=par.strict_transport)
+                                                print_rank_map=print_rank_map, strict=par.strict_transport)
         # before any model or index is built: an unusable folder fails in seconds, not at the first save
         self.run_id, self.dir_lock = prepare_run_dirs(cfg, self.state.rank, writes_checkpoints)
         try:
@@ -246,7 +249,7 @@ class Trainer:
                 window_steps += 1
                 if self.step % cfg.log.interval == 0 or self.step == train.steps:
                     if self.device.type == "cuda":  # the window's time must include its queued GPU work
-                        torch.cuda.synchronize(self.device)
+                        cuda.synchronize(self.device)
                     elapsed = time.perf_counter() - window_start
                     self._log_step(result, elapsed / window_steps, tokens_per_step, flops_per_step, peak,
                                    (time.perf_counter() - start) / (self.step - first_step))
@@ -301,7 +304,7 @@ class Trainer:
         """log.sync_debug on CUDA: a host sync raises while ``steady`` (torch's sync debug mode), so a run
         proves its steady-state steps never wait for the GPU."""
         if self.cfg.log.sync_debug and self.device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("error" if steady else "default")
+            cuda.set_sync_debug_mode("error" if steady else "default")
 
     def _log_step(self, result, step_time, tokens_per_step, flops_per_step, peak, mean_step_time) -> None:
         world = self.state.topology.world_size

@@ -1,0 +1,78 @@
+"""The kernels a CUDA build of torch picks, for fake ``cuda`` tensors on this CPU build.
+
+Two composite functions choose their kernel by device in C++ code a CPU build does not have, and would
+otherwise fall back to their decomposed reference, which saves more for backward than the GPU kernel:
+- ``scaled_dot_product_attention``: CUDA's choice in priority order, flash, then memory-efficient, then
+  math, each among the backends ``sdpa_kernel`` leaves enabled and only where the kernel takes the inputs
+  (flash: fp16/bf16, equal head dims of at most 256 and a multiple of 8, no mask, grouped K/V heads as they
+  are; memory-efficient: also fp32, K/V heads expanded to the query heads). Nothing usable raises the
+  error CUDA raises ("No available kernel"), so a pinned kernel that cannot run fails here as on the GPU;
+- ``rms_norm``: CUDA's fused kernel, which saves its input and the fp32 reciprocal RMS only.
+The math kernel and everything else run as the CPU build has them (the same ops CUDA runs).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+aten = torch.ops.aten
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _flash_takes(q, k, v, attn_mask, enable_gqa: bool) -> bool:
+    d = q.shape[-1]
+    grouped_ok = k.shape[-3] == q.shape[-3] or (enable_gqa and q.shape[-3] % k.shape[-3] == 0)
+    return (torch.backends.cuda.flash_sdp_enabled() and q.dtype in _HALF and attn_mask is None and q.dim() == 4
+            and k.shape[-1] == d == v.shape[-1] and d <= 256 and d % 8 == 0 and grouped_ok)
+
+
+def _efficient_takes(q, k, v, enable_gqa: bool) -> bool:
+    align = 4 if q.dtype == torch.float32 else 8
+    return (torch.backends.cuda.mem_efficient_sdp_enabled() and q.dim() == 4
+            and (q.dtype in _HALF or q.dtype == torch.float32) and q.shape[-1] % align == 0
+            and (k.shape[-3] == q.shape[-3] or enable_gqa))
+
+
+def scaled_dot_product_attention(original, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    if _flash_takes(q, k, v, attn_mask, enable_gqa):
+        return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+    if _efficient_takes(q, k, v, enable_gqa):
+        if k.shape[-3] != q.shape[-3]:  # the kernel takes equal heads: K/V repeated per query head
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+        return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, q.requires_grad, dropout_p,
+                                                            is_causal, scale=scale)[0]
+    if torch.backends.cuda.math_sdp_enabled():
+        return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=enable_gqa)
+    raise RuntimeError("No available kernel. Aborting execution. (rehearsal: the enabled SDPA backends take "
+                       f"none of these inputs: {q.dtype}, head dim {q.shape[-1]}, mask {attn_mask is not None})")
+
+
+class FusedRMSNorm(torch.autograd.Function):
+    """CUDA's fused RMSNorm as far as memory goes: keeps the input and the fp32 reciprocal RMS."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rstd = torch.empty(x.shape[:-1] + (1,), dtype=torch.float32, device=x.device)
+        ctx.save_for_backward(x, weight, rstd)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, _ = ctx.saved_tensors
+        return torch.empty_like(x), (torch.empty_like(weight) if weight is not None else None), None
+
+
+class CudaKernels(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args[0].device.type == "cuda":
+            return scaled_dot_product_attention(func, *args, **kwargs)
+        if func is F.rms_norm and args[0].device.type == "cuda":
+            x, shape, weight, eps = (list(args) + [None, None])[:4]
+            if len(shape) == 1:
+                return FusedRMSNorm.apply(x, kwargs.get("weight", weight), kwargs.get("eps", eps))
+        return func(*args, **kwargs)
