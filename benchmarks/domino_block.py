@@ -30,7 +30,7 @@ from megatron_domino.domino.executor import run_order
 from megatron_domino.domino.order import forward_order
 from megatron_domino.domino.plan import COMPARED_PLANS
 from megatron_domino.models import TransformerBlock, initialize_weights
-from megatron_domino.tensor_parallel import TPContext
+from megatron_domino.tensor_parallel import LayerContext
 
 from common import tp_communication_skipped
 
@@ -43,7 +43,7 @@ class BlockStack(torch.nn.Module):
     def __init__(self, cfg, group, plan):
         super().__init__()
         self.plan, self.group = plan, group
-        ctx = TPContext(group, grad_pieces=plan.grad_pieces)
+        ctx = LayerContext(group, grad_pieces=plan.grad_pieces)
         self.layers = torch.nn.ModuleList(TransformerBlock(cfg, ctx, layer_number=i) for i in range(cfg.num_layers))
 
     def forward(self, x):

@@ -51,8 +51,8 @@ def run_mode(cfg, plan, batch, device, dtype):
     import torch
     import torch.distributed as dist
     from megatron_domino.models import LanguageModel, initialize_weights
-    from megatron_domino.tensor_parallel import TPContext
-    model = LanguageModel(cfg, TPContext(dist.group.WORLD, dtype=dtype, device=device), plan=plan)
+    from megatron_domino.tensor_parallel import LayerContext
+    model = LanguageModel(cfg, LayerContext(dist.group.WORLD, dtype=dtype, device=device), plan=plan)
     initialize_weights(model, seed=1, tp_rank=dist.get_rank(), tp=dist.get_world_size())
     loss = model(None, batch).float().mean()
     loss.backward()

@@ -256,7 +256,7 @@ def tagged_backward(chunks):
     # The output head is a column-parallel product but no module: found from the last stage's loss, after
     # the layers' hooks have tagged theirs.
     handles += [chunk.register_forward_hook(functools.partial(tag, "output head"))
-                for chunk in chunks if chunk.post_process]
+                for chunk in chunks if chunk.has_head]
     try:
         yield
     finally:

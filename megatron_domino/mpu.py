@@ -78,12 +78,24 @@ def get_virtual_pipeline_model_parallel_world_size() -> int | None:
     return virtual if virtual > 1 else None
 
 
-def is_pipeline_first_stage(ignore_virtual: bool = True) -> bool:
-    return _state.get().is_first_stage
+def _stage_question(ignore_virtual: bool, name: str):
+    """Megatron answers ``ignore_virtual=False`` from a process-wide current virtual stage, which this library
+    does not keep: with interleaving that question has no answer here, so it is refused rather than guessed."""
+    state = _state.get()
+    if not ignore_virtual and state.virtual_pp > 1:
+        raise NotImplementedError(f"mpu.{name}(ignore_virtual=False) with virtual_pp = {state.virtual_pp}: "
+                                  f"megatron_domino keeps no current virtual stage. Fix: pass ignore_virtual=True "
+                                  f"(this pipeline rank), or ask the model chunk (LanguageModel.has_embedding / "
+                                  f".has_head)")
+    return state
 
 
-def is_pipeline_last_stage(ignore_virtual: bool = True) -> bool:
-    return _state.get().is_last_stage
+def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
+    return _stage_question(ignore_virtual, "is_pipeline_first_stage").is_first_stage
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
+    return _stage_question(ignore_virtual, "is_pipeline_last_stage").is_last_stage
 
 
 def get_data_parallel_group(with_context_parallel: bool = False):

@@ -13,6 +13,8 @@ from megatron_domino.training.guard import BadStepError, BadStepGuard
 from tests.harness import run_ranks
 from tests.training_runs import COMMON, REPO, TINY
 
+pytestmark = pytest.mark.slow  # multi-rank training runs: the whole suite, not -m quick
+
 BAD_STEP, POISONED_RANK = 3, 1  # rank 1: TP rank 1 of the first stage, which holds its own weight shards
 
 

@@ -68,6 +68,7 @@ def assert_one_block(result, *words) -> None:
         assert word in err, (word, err[-4000:])
 
 
+@pytest.mark.slow
 def test_a_second_run_into_the_same_folder_is_refused_naming_the_first(tmp_path):
     first, log = str(tmp_path / "first"), tmp_path / "first.txt"
     ckpt = os.path.join(first, "checkpoints")
@@ -88,6 +89,7 @@ def test_a_second_run_into_the_same_folder_is_refused_naming_the_first(tmp_path)
     assert not [n for n in os.listdir(ckpt) if n.startswith(fmt.TMP_PREFIX)]
 
 
+@pytest.mark.slow
 def test_a_fresh_start_over_published_checkpoints_is_refused(root, tmp_path):
     before = snapshot(root)
     result = run_cli(str(tmp_path / "run"), [f"checkpoint.dir={root}"])
@@ -96,6 +98,7 @@ def test_a_fresh_start_over_published_checkpoints_is_refused(root, tmp_path):
     assert snapshot(root) == before and not os.path.exists(os.path.join(root, LOCK))
 
 
+@pytest.mark.slow
 def test_a_stale_lock_is_taken_over_and_leftovers_are_removed(root, tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -125,6 +128,7 @@ def mounted(*args: str):
         subprocess.run(["umount", args[-1]], capture_output=True)
 
 
+@pytest.mark.slow
 def test_a_read_only_checkpoint_dir_fails_before_step_1(root, tmp_path):
     target = str(tmp_path / "read-only")
     os.makedirs(target)
@@ -139,6 +143,7 @@ def test_a_read_only_checkpoint_dir_fails_before_step_1(root, tmp_path):
     assert snapshot(root) == before
 
 
+@pytest.mark.slow
 def test_a_disk_too_small_for_one_checkpoint_warns_or_fails(tmp_path):
     target = str(tmp_path / "small")
     os.makedirs(target)
@@ -223,7 +228,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_intact_steps(ro
     state = SimpleNamespace(tp_rank=0, tp_size=1, cp_size=1, pp_size=1, dp_size=1, virtual_pp=1, rank=0)
     with pytest.raises(CheckpointError) as raised_error:
         Checkpointer(cfg, state).load(fmt.resolve_load_path("auto", root), chunks=[model], optimizer=None,
-                                      schedule=None)
+                                      lr_schedule=None)
     message = str(raised_error.value)
     assert words in message, message
     newest = STEP3 if "latest" in case else STEP2  # a damaged latest leaves step 3 itself intact
@@ -232,6 +237,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_intact_steps(ro
     assert all((param == 0.25).all() for param in model.parameters())  # nothing loaded silently
 
 
+@pytest.mark.slow
 def test_a_step_that_is_not_a_number_is_one_block_not_a_type_error(root, tmp_path):
     _edit_metadata(os.path.join(root, STEP3), step="four")
     result = run_cli(str(tmp_path / "run"), [f"checkpoint.load={root}", "train.steps=5",

@@ -16,6 +16,8 @@ from megatron_domino.config.loader import load_config
 from tests.harness import run_ranks
 from tests.training_runs import COMMON, REPO, TINY
 
+pytestmark = pytest.mark.slow  # multi-rank training runs: the whole suite, not -m quick
+
 CONSTANT = 16 * 2**20  # DCP's plans and index, pickling buffers, allocator slack
 LAYOUT = ["parallel.tp=2", "parallel.pp=1", "parallel.dp=2", "optimizer.zero_stage=1"]
 MODEL = ["model.hidden_size=512", "model.ffn_hidden_size=2048", "model.num_attention_heads=8", "model.vocab_size=1024",
@@ -59,7 +61,7 @@ def _saves(rank, world_size, run_dir):
 
     def save_in_background():
         background.save(cfg.checkpoint.dir, 2, chunks=trainer.chunks, optimizer=trainer.optimizer,
-                        schedule=trainer.schedule, consumed_samples=0, keep=0)
+                        lr_schedule=trainer.lr_schedule, consumed_samples=0, keep=0)
         background.wait()
 
     async_peak = _peak_during(save_in_background)

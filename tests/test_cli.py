@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from tests.training_runs import REPO, environment
 
 
@@ -18,12 +20,24 @@ def test_bad_config_exits_2_naming_key_value_rule_and_fix():
     assert typo.returncode == 2 and "did you mean 'steps'" in typo.stderr
 
 
+@pytest.mark.slow
 def test_print_schedule_shows_every_pipeline_rank():
     result = _run("--config", "configs/tiny/gpt.yaml", "--print-schedule", "parallel.pp=4", "parallel.dp=1",
                   "--world-size", "4")
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("rank ") and " | " in line]
     assert len(rows) == 4 and "F0" in rows[0] and "B7" in rows[3]
+
+
+def test_print_schedule_is_the_runs_own_schedule():
+    """The kind the config runs (ZB-H1 here, not 1F1B) and the micro-batches the trainer counts: per DP rank,
+    where the context-parallel ranks of a sequence share its batch (cp 2 at world 4 leaves dp 1: 8, not 4)."""
+    result = _run("--config", "configs/tiny/gpt.yaml", "--print-schedule", "parallel.pp=2", "parallel.cp=2",
+                  "parallel.pipeline_schedule=zb-h1", "--world-size", "4")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("zb-h1: pp=2 microbatches=8 ")
+    rows = [line for line in result.stdout.splitlines() if line.startswith("rank ") and " | " in line]
+    assert len(rows) == 2 and "W7" in rows[0] and "B7" in rows[1]
 
 
 def test_dry_run_prints_rank_map_without_a_process_group():

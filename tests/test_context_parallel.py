@@ -20,6 +20,8 @@ from tests.harness import run_ranks
 from tests.parity import assert_same_run, reference_steps, train_steps
 from tests.test_pipeline import GLOBAL_BATCH, GPT, LLAMA, MICRO_BATCH
 
+pytestmark = pytest.mark.slow  # multi-rank training runs: the whole suite, not -m quick
+
 STEPS, LR, EOD = 6, 0.5, 0
 LLAMA_16 = replace(LLAMA, seq_length=16)
 # Dropless experts route token by token, so a CP rank's tokens route as in one process. The auxiliary losses

@@ -111,7 +111,7 @@ def _native_tensors(root):
 def _load_into(model, path, cfg):
     """Load ``path`` into a tp=1 single-stage ``model`` with the training loader itself; returns the metadata."""
     state = SimpleNamespace(tp_rank=0, tp_size=1, cp_size=1, pp_size=1, dp_size=1, virtual_pp=1, rank=0)
-    return Checkpointer(cfg, state).load(path, chunks=[model], optimizer=None, schedule=None)
+    return Checkpointer(cfg, state).load(path, chunks=[model], optimizer=None, lr_schedule=None)
 
 
 def _load_native(root, model_cfg):

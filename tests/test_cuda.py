@@ -143,12 +143,12 @@ def test_grouped_gemm_experts_on_cuda_equal_the_loop():
     model.moe_grouped_gemm equal the loop over experts (uneven expert batches, capacity drops)."""
     from dataclasses import replace
     from megatron_domino.models.moe import MoE
-    from megatron_domino.tensor_parallel import TPContext
+    from megatron_domino.tensor_parallel import LayerContext
     from tests.test_moe import LLAMA_MOE
     cfg = replace(LLAMA_MOE, hidden_size=128, moe_ffn_hidden_size=256, moe_capacity_factor=0.5)
     results = []
     for grouped in (False, True):
-        moe = MoE(replace(cfg, moe_grouped_gemm=grouped), TPContext(dtype=torch.bfloat16, device=torch.device("cuda")))
+        moe = MoE(replace(cfg, moe_grouped_gemm=grouped), LayerContext(dtype=torch.bfloat16, device=torch.device("cuda")))
         torch.manual_seed(0)
         for param in moe.parameters():
             torch.nn.init.normal_(param, std=0.05)

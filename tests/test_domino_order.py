@@ -11,7 +11,7 @@ from megatron_domino.domino import print_schedule
 from megatron_domino.domino.executor import run_order
 from megatron_domino.domino.order import Step, backward_order, forward_order
 from megatron_domino.models import TransformerBlock, initialize_weights
-from megatron_domino.tensor_parallel import TPContext
+from megatron_domino.tensor_parallel import LayerContext
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from spans import where_issued  # noqa: E402
@@ -60,7 +60,7 @@ def test_executor_computes_what_the_synchronous_forward_computes():
                       vocab_size=64, hidden_dropout=0.0, attention_dropout=0.0)
 
     def stack(grad_pieces):
-        blocks = torch.nn.ModuleList(TransformerBlock(cfg, TPContext(grad_pieces=grad_pieces), layer_number=i)
+        blocks = torch.nn.ModuleList(TransformerBlock(cfg, LayerContext(grad_pieces=grad_pieces), layer_number=i)
                                      for i in range(2))
         initialize_weights(blocks, seed=3)
         return blocks

@@ -22,6 +22,8 @@ from tests.test_pipeline import GLOBAL_BATCH, MICRO_BATCH
 from tests.test_zero_bubble import LR, OPT, _batches
 from tests.training_runs import REPO, TINY
 
+pytestmark = pytest.mark.slow  # multi-rank training runs: the whole suite, not -m quick
+
 DROPLESS_LLAMA = replace(LLAMA_MOE, moe_capacity_factor=None)
 
 

@@ -3,7 +3,11 @@ import os
 import signal
 import time
 
+import pytest
+
 from tests.training_runs import kill_group, start_ranks, wait_for_step
+
+pytestmark = pytest.mark.slow  # multi-rank training runs: the whole suite, not -m quick
 
 TIMEOUT_S = 20
 

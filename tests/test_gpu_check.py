@@ -5,7 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.training_runs import REPO, environment
+
+pytestmark = pytest.mark.slow  # multi-rank training runs: the whole suite, not -m quick
 
 KNOBS = ("GPU_CHECK_OFFLINE", "PIP_NO_INDEX", "PIP_INDEX_URL", "MCORE_WHEELS", "SKIP", "STEPS", "INTERVAL",
          "CUDA_TESTS", "MBS", "GBS", "PEAK_TFLOPS", "PYTHON", "GPU_CHECK_OUT", "CUDA_VISIBLE_DEVICES")

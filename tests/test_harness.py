@@ -42,6 +42,7 @@ def test_results_come_back_from_every_rank():
     assert [r[0] for r in results] == [3.0, 3.0]
 
 
+@pytest.mark.slow
 def test_hanging_rank_fails_within_timeout_and_leaves_nothing(tmp_path):
     start = time.monotonic()
     with pytest.raises(RankFailure, match="timeout"):

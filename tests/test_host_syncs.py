@@ -7,11 +7,15 @@ TP2 x PP2 with Domino, ZeRO-1, bf16 off, on 4 gloo ranks."""
 import os
 import traceback
 
+import pytest
+
 from torch.overrides import TorchFunctionMode
 
 from megatron_domino.config.loader import load_config
 from tests.harness import run_ranks
 from tests.training_runs import COMMON, REPO, TINY
+
+pytestmark = pytest.mark.slow  # multi-rank training runs: the whole suite, not -m quick
 
 SYNCING = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy"}
 # Reads of tensors that live in host memory on every device, hence no device sync:

@@ -14,7 +14,7 @@ from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.models.counters import count_parameters, flops_per_token
 from megatron_domino.models.moe import MoE
 from megatron_domino.models.router import route, within_capacity
-from megatron_domino.tensor_parallel import TPContext
+from megatron_domino.tensor_parallel import LayerContext
 from tests.harness import run_ranks
 from tests.parity import assert_same_run, layout_config, train_steps
 from tests.test_pipeline import GLOBAL_BATCH, MICRO_BATCH
@@ -105,7 +105,7 @@ def _reference_layer(moe: MoE, cfg, x, capacity_factor):
                               "grouped-gemm-bias", "grouped-gemm-swiglu"])
 def test_layer_equals_loops_over_tokens_and_experts(cfg):
     torch.manual_seed(0)
-    moe = MoE(cfg, TPContext())
+    moe = MoE(cfg, LayerContext())
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
     moe.loss_scale_per_sample = 0.7
@@ -141,7 +141,7 @@ def test_counters_report_total_and_active_parameters():
     """Total = every parameter of the built model; active = top-k experts only; FLOPs count the active weights."""
     for cfg in (GPT_MOE, LLAMA_MOE, replace(LLAMA_MOE, num_layers=4, moe_layer_freq=2)):
         assert count_parameters(cfg) == sum(p.numel() for p in LanguageModel(cfg).parameters())
-        expert = sum(p.numel() for p in MoE(cfg, TPContext()).experts["0"].parameters())
+        expert = sum(p.numel() for p in MoE(cfg, LayerContext()).experts["0"].parameters())
         moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
         assert count_parameters(cfg, active=True) == count_parameters(cfg) - moe_layers * (E - K) * expert
         matrices = (3 if cfg.activation == "swiglu" else 2) * cfg.hidden_size
@@ -216,7 +216,7 @@ def _check_checkpoint_reshards(rank, step_dir):
     from megatron_domino.training.checkpoint import model_state, model_targets
     group = dist.new_group([0, 1])
     for cfg in (GPT_MOE, LLAMA_MOE):
-        sharded = LanguageModel(cfg, TPContext(group))
+        sharded = LanguageModel(cfg, LayerContext(group))
         initialize_weights(sharded, 5, rank, 2)
         path = f"{step_dir}/{cfg.moe_router}"
         tensors.write(path, model_state([sharded], rank), group=group)
@@ -241,6 +241,7 @@ def test_tp_domino_sequence_parallel_and_pipeline_train_like_one_process(tmp_pat
 
 # ---------------------------------------------------------------- the tiny Mixtral, end to end
 
+@pytest.mark.slow
 def test_tiny_mixtral_trains_and_logs_routing(tmp_path):
     """configs/tiny/mixtral.yaml through the Llama entry point on mock data: the loss falls, routing is logged."""
     from tests.training_runs import metrics, train

@@ -1,6 +1,7 @@
 """The pipeline transport under NCCL's rules, on 2 gloo ranks: the strict transport reproduces the hang NCCL
 would have on the old one-transfer-at-a-time order, refuses transfers matched to the wrong tensor, and carries
 the grouped schedules' data intact (plain transport and strict alike)."""
+import pytest
 import torch
 
 from megatron_domino.pipeline.p2p import ACTIVATION, GRADIENT, P2P, P2PTimeout, Transfer
@@ -81,6 +82,7 @@ def test_strict_transport_carries_grouped_schedules_and_refuses_the_wrong_tensor
     assert "receive of rF0 from rank 0" in starved
 
 
+@pytest.mark.slow
 def test_strict_transport_hangs_on_the_old_order_where_nccl_would():
     """The issue's trace at pp 2, m 4: rank 0 blocks sending activation 1, rank 1 blocks sending gradient 0."""
     hang0, hang1 = run_ranks(_old_order, 2, timeout=60)

@@ -235,6 +235,7 @@ def test_simulator_catches_bad_schedules():
         simulate(mixed, 2, 2)
 
 
+@pytest.mark.slow
 def test_simulator_finds_the_unbatched_deadlock_and_proves_the_grouped_schedules():
     """Sends as rendezvous, pairs FIFO, groups complete together: the old one-transfer-at-a-time order hangs
     at pp 2 with 4 micro-batches exactly as the issue traced it; every grouped schedule up to pp 8, m 32, v 4

@@ -20,7 +20,7 @@ from megatron_domino.config import load_config, validate_config
 from megatron_domino.domino.plan import DominoPlan
 from megatron_domino.models import LanguageModel
 from megatron_domino.parallel import comm
-from megatron_domino.tensor_parallel import TPContext
+from megatron_domino.tensor_parallel import LayerContext
 from megatron_domino.parallel.random import seed_streams
 from megatron_domino.pipeline.schedules import build_schedule, virtual_stage
 from megatron_domino.pipeline.simulate import Costs, simulate
@@ -48,7 +48,7 @@ def _batch(cfg):
 def _build(cfg, group=None, **kwargs):
     dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
     torch.manual_seed(0)
-    model = LanguageModel(cfg.model, TPContext(group, cfg.parallel.sequence_parallel, dtype=dtype), **kwargs)
+    model = LanguageModel(cfg.model, LayerContext(group, cfg.parallel.sequence_parallel, dtype=dtype), **kwargs)
     for param in model.parameters():
         param.data.normal_(0.0, 0.02)
     return model.train()
@@ -137,8 +137,8 @@ def test_rank_parameters_match_built_stages(fake_tp, path, tp, pp, v):
         held = 0
         for chunk in range(v):
             stage = virtual_stage(rank, chunk, pp)
-            model = LanguageModel(cfg.model, TPContext(group), layer_ids=partition[stage], pre_process=stage == 0,
-                                  post_process=stage == stages - 1)
+            model = LanguageModel(cfg.model, LayerContext(group), layer_ids=partition[stage], has_embedding=stage == 0,
+                                  has_head=stage == stages - 1)
             held += sum(p.numel() for p in model.parameters())
         assert estimate == held
 
@@ -172,6 +172,7 @@ def _malloc_in_use():
     return lambda: (lambda info: info.uordblks + info.hblkhd)(mallinfo2())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path,overrides", [(GPT, ()), (LLAMA, ()), (GPT, ("model.recompute=full",)),
                                             (LLAMA, ("train.micro_batch_size=8",))])
 def test_estimate_matches_a_real_cpu_training_step(path, overrides):

@@ -17,7 +17,7 @@ from megatron_domino.planner.memory import chunk_activation_bytes, estimate_stag
 from megatron_domino.planner.report import format_table
 from megatron_domino.planner.search import candidate_layouts, first_valid, rank_layouts
 from megatron_domino.planner.timing import estimate_step_time
-from megatron_domino.tensor_parallel import TPContext
+from megatron_domino.tensor_parallel import LayerContext
 from tests.test_planner import _batch, _build, _saved_bytes, fake_tp  # noqa: F401  (the fixture)
 from tests.test_planner_cp import _filled
 
@@ -129,8 +129,8 @@ def test_rank_parameters_match_built_moe_stages(fake_tp, tp, pp, overrides):  # 
     partition = layer_partition(cfg)
     for rank, estimate in enumerate(rank_parameters(cfg)):
         stage = virtual_stage(rank, 0, pp)
-        model = LanguageModel(cfg.model, TPContext(fake_tp(tp)), layer_ids=partition[stage],
-                              pre_process=stage == 0, post_process=stage == pp - 1)
+        model = LanguageModel(cfg.model, LayerContext(fake_tp(tp)), layer_ids=partition[stage],
+                              has_embedding=stage == 0, has_head=stage == pp - 1)
         assert estimate == sum(p.numel() for p in model.parameters())
 
 
@@ -179,6 +179,7 @@ def test_search_tries_every_ep_that_divides_dp_and_the_experts():
     assert "ep-a2a" not in format_table(ranked, ranked[:1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MIXTRAL))
 def test_mixtral_configs_hold_the_planners_first_choice(name):
     path = MIXTRAL[name]

@@ -6,7 +6,11 @@ import importlib.util
 import json
 import os
 
+import pytest
+
 from tests.training_runs import train
+
+pytestmark = pytest.mark.slow  # multi-rank training runs: the whole suite, not -m quick
 
 RANGES = ("pipeline F0", "pipeline B0", "domino launch layer 0 attention chunk 0", "domino wait layer 1 mlp chunk 1",
           "optimizer step", "data loading")

@@ -11,6 +11,8 @@
 """
 import os
 
+import pytest
+
 from megatron_domino.config.loader import load_config
 from megatron_domino.rehearsal.report import sized_configs
 from tests.fake_cuda import REPO, on_fake_cuda_side_by_side
@@ -51,6 +53,7 @@ def _cost(spec) -> float:
     return model.num_layers * (3 if model.num_experts else 1) * (3 if par.cp > 1 else 1)
 
 
+@pytest.mark.slow
 def test_every_shipped_config_rehearses_within_the_planner_and_fits():
     configs = {os.path.relpath(path, REPO): gpus for path, gpus in sized_configs(os.path.join(REPO, "configs")).items()}
     assert len(configs) == 17, sorted(configs)  # GPT-3 125M-175B, Llama-2/3/3.1 with long context, Mixtral
@@ -82,6 +85,7 @@ BY_DESIGN = {"train.fp16=true": "optim/loss_scaler.py", "train.on_bad_step=skip"
              "parallel.ep=2": "models/moe.py"}
 
 
+@pytest.mark.slow
 def test_the_parity_layouts_sync_with_the_host_only_by_design():
     results = _side_by_side(LAYOUTS, "all", lambda spec: spec[1])
     for result in results:
@@ -107,7 +111,6 @@ def test_the_tool_writes_every_role_with_the_documented_fields(tmp_path):
                            "8", "--tolerance", "1.0", "--json", str(out), "parallel.tp=2", "parallel.pp=2"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     if done.returncode == 2 and "cannot build the fake CUDA device" in done.stderr:
-        import pytest
         pytest.skip(done.stderr.strip())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())

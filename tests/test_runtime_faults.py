@@ -31,7 +31,7 @@ def write_dataset_with_an_id_beyond_the_vocabulary(prefix) -> None:
         builder.finalize()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_token_id_beyond_the_vocabulary_stops_the_run_before_step_1(tmp_path, tp):
     prefix, run = tmp_path / "corpus", tmp_path / "run"
     write_dataset_with_an_id_beyond_the_vocabulary(prefix)
@@ -49,6 +49,7 @@ def test_a_token_id_beyond_the_vocabulary_stops_the_run_before_step_1(tmp_path, 
     assert metrics(str(run)) == []  # not one step trained on the bad ids
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_at_the_next_step_and_exits_zero(tmp_path):
     run, log = str(tmp_path / "run"), tmp_path / "log.txt"
     proc = start("gpt", 1, run, ["train.steps=500"], str(log))
@@ -63,6 +64,7 @@ def test_ctrl_c_saves_at_the_next_step_and_exits_zero(tmp_path):
     assert 3 <= _resume_one_step(tmp_path, os.path.join(run, "checkpoints")) < 500
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_exits_at_once_without_saving(tmp_path):
     run, log = str(tmp_path / "run"), tmp_path / "log.txt"
     proc = start("gpt", 1, run, ["train.steps=500", "train.global_batch_size=64"], str(log))  # ~1 s steps

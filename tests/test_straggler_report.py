@@ -4,9 +4,13 @@ import json
 import os
 import time
 
+import pytest
+
 from megatron_domino.config.loader import load_config
 from tests.harness import run_ranks
 from tests.training_runs import COMMON, REPO, TINY
+
+pytestmark = pytest.mark.slow  # multi-rank training runs: the whole suite, not -m quick
 
 SLOW_RANK, EXTRA_S = 5, 0.6  # rank 5 = tp 0, pp 1, dp 1 in tp-dp-pp order
 

@@ -187,3 +187,21 @@ def _check_real_groups(rank, world_size):
 def test_eight_real_ranks_collective_on_every_group():
     tables = run_ranks(_check_real_groups, 8, timeout=120)
     assert "world 8 = tp 2 x cp 1 x pp 2 x dp 2" in tables[0]
+
+
+def test_mpu_stage_questions_under_interleaving_need_ignore_virtual():
+    """Megatron answers is_pipeline_first_stage() (ignore_virtual=False) from its current virtual stage; this
+    library keeps none, so with virtual_pp > 1 that form is refused, saying how to ask instead."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        state.initialize(Topology(2, pp=2, virtual_pp=2), print_rank_map=False)
+        assert not mpu.is_pipeline_first_stage(ignore_virtual=True) and mpu.is_pipeline_last_stage(True)
+        with pytest.raises(NotImplementedError, match="ignore_virtual=True"):
+            mpu.is_pipeline_first_stage()
+        state.destroy()
+        state.initialize(Topology(2, pp=2), print_rank_map=False)
+        assert mpu.is_pipeline_last_stage() and not mpu.is_pipeline_first_stage()
+        state.destroy()
+    finally:
+        dist.destroy_process_group()

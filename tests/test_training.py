@@ -11,6 +11,8 @@ import torch
 from megatron_domino.convert.native_io import NativeTensors
 from tests.training_runs import REPO, environment, kill_group, losses, metrics, start, train, wait_for_step, worker_pids
 
+pytestmark = pytest.mark.slow  # multi-rank training runs: the whole suite, not -m quick
+
 TOL = 1e-5
 LAYOUT_222 = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "parallel.domino=true"]
 # Packed documents: offsets sliced by Domino's rows, read by every stage from host memory.

@@ -3,6 +3,7 @@ and the preemption flag is agreed one step late without a blocking sync."""
 import signal
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -39,6 +40,7 @@ def _wait_for(exits: list, seconds: float) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_a_phase_longer_than_the_timeout_but_within_its_budget_does_not_trip(capsys):
     exits, store = [], dist.HashStore()
     live_peer = Watchdog(_State(1), 60.0, lambda: "rank 1 writing", interval_s=0.2, store=store,

@@ -4,6 +4,7 @@ pp 4 and pp 2, with Domino, TP 2 and DP 2 (ZeRO-1), under NCCL's p2p rules (the 
 The W's carry the weight gradients, so the buffers' last-micro-batch hooks and the DP reduction follow the
 last W; a gradient lost, counted twice or reduced before its W would show in the losses and the weights.
 """
+import pytest
 import torch
 
 from megatron_domino.config.schema import OptimizerConfig
@@ -12,6 +13,8 @@ from megatron_domino.pipeline.strict_transport import StrictP2P
 from tests.harness import run_ranks
 from tests.parity import assert_same_run, reference_steps, train_steps
 from tests.test_pipeline import GLOBAL_BATCH, GPT, LLAMA, MICRO_BATCH, _config
+
+pytestmark = pytest.mark.slow  # multi-rank training runs: the whole suite, not -m quick
 
 TOL, STEPS, LR = 1e-5, 6, 0.5
 OPT = OptimizerConfig(name="sgd", lr=LR, momentum=0.0, weight_decay=0.0, clip_grad=0.0, bucket_size_mb=0.01)
@@ -39,7 +42,7 @@ def _train(world_size, cfg):
 
     def zero_bubble_under_strict_transport(engine):
         assert isinstance(engine.executor.p2p, StrictP2P)
-        assert any(s.op == "backward_weight" for s in engine.schedule)
+        assert any(s.op == "backward_weight" for s in engine.program)
     return train_steps(world_size, cfg, OPT, steps, LR, zero_bubble_under_strict_transport)
 
 
@@ -67,11 +70,11 @@ def _b_then_w_events(rank, world_size):
     import torch.distributed as dist
     from megatron_domino.domino.plan import COMPARED_PLANS
     from megatron_domino.pipeline.split_backward import backward_input, backward_weight, run_backward
-    from megatron_domino.tensor_parallel import TPContext
+    from megatron_domino.tensor_parallel import LayerContext
     from megatron_domino.tensor_parallel.async_comm import PendingInputGradient
 
     group = dist.new_group([0, 1])
-    model = LanguageModel(GPT, TPContext(group), layer_ids=[0, 1], pre_process=False, post_process=False,
+    model = LanguageModel(GPT, LayerContext(group), layer_ids=[0, 1], has_embedding=False, has_head=False,
                           plan=COMPARED_PLANS["row-inter"])
     initialize_weights(model, seed=3, tp_rank=rank, tp=world_size)
     g = torch.Generator().manual_seed(1)

@@ -17,6 +17,7 @@ import sys
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
 from megatron_domino.config.schema import TokenizerConfig  # noqa: E402
+from megatron_domino.files import atomic_open  # noqa: E402
 from megatron_domino.data.preprocessing import PreprocessOptions, output_prefix, preprocess  # noqa: E402
 from megatron_domino.data.quickstart import (  # noqa: E402
     MAX_CORPUS_BYTES,
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
             input=corpus, output_prefix=os.path.join(out, "corpus"),
             tokenizer=TokenizerConfig(type="SentencePieceTokenizer", model=model),
             json_keys=("text",), append_eod=True, workers=args.workers))
-        with open(stamp_path, "w") as f:
+        with atomic_open(stamp_path, encoding="utf-8") as f:
             json.dump(stamp, f, indent=2)
         print(f"{len(documents)} documents ({os.path.getsize(corpus) / 2**20:.2f} MB) -> {stats.summary()}")
     print("use it with:\n"

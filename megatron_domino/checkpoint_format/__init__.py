@@ -27,17 +27,18 @@ import json
 import os
 import re
 import shutil
+from dataclasses import fields
 
 from ..config.errors import CheckpointError
 from ..config.loader import config_from_dict
+from ..config.schema import ARCHITECTURE_KEYS
+from ..files import atomic_open, fsync_dir, publish
+from ..models.full_state import stored_shapes
 from . import tensors
 
 VERSION = 2
 LATEST = "latest"
 METADATA = "metadata.json"
-# Model settings that change tensor shapes or the function computed; a checkpoint must agree on them.
-SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_size", "num_attention_heads", "query_groups", "head_dim",
-              "vocab_size", "position_embedding", "norm", "activation", "bias", "tie_embeddings", "max_positions")
 
 
 def step_dir_name(step: int) -> str:
@@ -87,26 +88,9 @@ def start_step_dir(root: str, step: int, run_id: str = "") -> str:
     return tmp
 
 
-def fsync_file(path: str) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json_atomic(path: str, payload) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_open(path, encoding="utf-8") as f:
         json.dump(payload, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def publish_step_dir(root: str, tmp: str, meta: dict, keep: int = 0) -> str:
@@ -119,10 +103,8 @@ def publish_step_dir(root: str, tmp: str, meta: dict, keep: int = 0) -> str:
     fsync_dir(tmp)
     final = os.path.join(root, step_dir_name(meta["step"]))
     shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    fsync_dir(root)
+    publish(tmp, final)
     _write_json_atomic(os.path.join(root, LATEST), {"step": meta["step"], "dir": step_dir_name(meta["step"])})
-    fsync_dir(root)
     _prune(root, keep)
     return final
 
@@ -269,10 +251,15 @@ def damaged(entry: str, problem: str) -> CheckpointError:
 
 
 def check_compatible(meta: dict, model_cfg) -> None:
-    """Refuse a checkpoint of a different model, naming every differing key."""
+    """Refuse a checkpoint of a different model: one whose stored tensors (names and full shapes, derived from
+    both configs' models, so no setting can be forgotten) or whose layer kinds (``ARCHITECTURE_KEYS``) differ,
+    naming every model setting that differs."""
     saved = config_from_dict({"model": meta["config"]["model"]}).model
-    differing = [f"model.{k}: checkpoint {getattr(saved, k)!r} vs config {getattr(model_cfg, k)!r}"
-                 for k in SHAPE_KEYS if getattr(saved, k) != getattr(model_cfg, k)]
-    if differing:
-        raise CheckpointError("checkpoint is from an incompatible model; differing keys:\n  " + "\n  ".join(differing)
-                         + "\nFix: load it with the model settings it was saved with.")
+    kinds = [key for key in ARCHITECTURE_KEYS if getattr(saved, key) != getattr(model_cfg, key)]
+    if not kinds and stored_shapes(saved) == stored_shapes(model_cfg):
+        return
+    differing = [f"model.{f.name}: checkpoint {getattr(saved, f.name)!r} vs config {getattr(model_cfg, f.name)!r}"
+                 for f in fields(model_cfg) if getattr(saved, f.name) != getattr(model_cfg, f.name)]
+    raise CheckpointError("checkpoint is from an incompatible model (its tensors' shapes or layer kinds differ); "
+                          "differing keys:\n  " + "\n  ".join(differing)
+                          + "\nFix: load it with the model settings it was saved with.")

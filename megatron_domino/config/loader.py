@@ -16,12 +16,12 @@ import dataclasses
 import difflib
 import os
 import re
-import tempfile
 import typing
 from typing import Any, Iterable
 
 import yaml
 
+from ..files import atomic_open
 from .errors import ConfigError, Problem
 from .schema import Config
 
@@ -251,21 +251,10 @@ def load_config(path: str | None, overrides: Iterable[str] = ()) -> Config:
 def save_config(cfg: Config, path: str) -> None:
     """Write the resolved config as YAML that ``load_config`` reads back to an equal ``Config``.
 
-    Written to a temporary file in the same directory, flushed to disk, then renamed over ``path``,
-    so a crash never leaves a half-written config beside a checkpoint.
+    Written atomically (``files.atomic_open``), so a crash never leaves a half-written config beside a
+    checkpoint.
     """
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
     text = yaml.dump(config_to_dict(cfg), Dumper=_Dumper, sort_keys=False, default_flow_style=None)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".config-", suffix=".yaml.tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write("# Resolved megatron_domino config: every setting, includes and overrides applied.\n")
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    with atomic_open(path, encoding="utf-8") as f:
+        f.write("# Resolved megatron_domino config: every setting, includes and overrides applied.\n")
+        f.write(text)

@@ -16,6 +16,9 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 MOE_ROUTERS = ("softmax", "sigmoid")
 RECOMPUTE = ("none", "selective", "full")  # least to most recomputation
 ATTENTION_BACKENDS = ("auto", "flash", "efficient", "math")
+# model settings that choose a layer's function without changing its tensors' shapes (a checkpoint must agree
+# on them too; the shapes themselves are compared tensor by tensor: checkpoint_format.check_compatible)
+ARCHITECTURE_KEYS = ("norm", "activation", "position_embedding", "moe_router")
 
 
 @dataclass

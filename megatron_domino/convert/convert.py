@@ -20,6 +20,7 @@ from .. import checkpoint_format as fmt
 from ..checkpoint_format import publish_step_dir, start_step_dir
 from ..config import config_to_dict, save_config
 from ..data.progress import Progress
+from ..files import atomic_open
 from .hf_config import (
     detect_model_type,
     hf_config_from_model,
@@ -150,9 +151,8 @@ def _write_run_config(cfg, path: str, input_dir: str, model_type: str) -> None:
                      "to the tokenizer the data was made with.")
     with open(path, encoding="utf-8") as f:
         body = f.read()
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
+    with atomic_open(path, encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n" + body)
-    os.replace(path + ".tmp", path)
 
 
 def native_to_hf(input_path: str, output_dir: str, *, max_shard_size="5GB", dtype=None, quiet: bool = False) -> str:
@@ -200,7 +200,7 @@ def _dtype_name(dtype) -> str:
 
 
 def _write_json(path: str, payload: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    with atomic_open(path, encoding="utf-8") as f:
         json.dump(payload, f, indent=2)
         f.write("\n")
 

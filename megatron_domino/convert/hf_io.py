@@ -15,6 +15,8 @@ import struct
 import torch
 from safetensors import safe_open
 
+from ..files import atomic_open, publish, temporary_beside
+
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
@@ -119,7 +121,8 @@ class SafetensorsWriter:
             offset += size
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # keep the data 8-byte aligned
-        self._file = open(path, "wb")
+        self._tmp = temporary_beside(path)  # published whole at ``close``
+        self._file = open(self._tmp, "wb")
         self._file.write(struct.pack("<Q", len(text)) + text)
         self.bytes_written = 0
 
@@ -141,10 +144,10 @@ class SafetensorsWriter:
     def close(self) -> None:
         if self._order:
             self._file.close()
+            os.remove(self._tmp)
             raise RuntimeError(f"{self.path}: {len(self._order)} planned tensors never written, e.g. {self._order[0]}")
-        self._file.flush()
-        os.fsync(self._file.fileno())
         self._file.close()
+        publish(self._tmp, self.path)
 
 
 def open_hf_checkpoint(hf_dir: str, model_type: str) -> TensorFiles:
@@ -195,6 +198,6 @@ def plan_shards(specs: dict, max_bytes: int) -> list[list[str]]:
 
 
 def write_hf_index(hf_dir: str, weight_map: dict, total_size: int) -> None:
-    with open(os.path.join(hf_dir, INDEX_FILE), "w", encoding="utf-8") as f:
+    with atomic_open(os.path.join(hf_dir, INDEX_FILE), encoding="utf-8") as f:
         json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f, indent=2)
         f.write("\n")

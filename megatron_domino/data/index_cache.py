@@ -15,6 +15,8 @@ from typing import Callable
 
 import numpy as np
 
+from ..files import atomic_open
+
 Builder = Callable[[], dict]
 
 
@@ -65,17 +67,7 @@ def _save(arrays: dict, paths: dict, marker: str, description: dict) -> None:
     """Each array to a temp name then renamed; the description marker last, so its presence means complete."""
     os.makedirs(os.path.dirname(marker), exist_ok=True)
     for name, path in paths.items():
-        _atomic_write(path, lambda f, a=arrays[name]: np.save(f, a, allow_pickle=False))
-    _atomic_write(marker, lambda f: f.write(json.dumps(description, indent=2, sort_keys=True).encode()))
-
-
-def _atomic_write(path: str, write: Callable) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+        with atomic_open(path, "wb") as f:
+            np.save(f, arrays[name], allow_pickle=False)
+    with atomic_open(marker, "wb") as f:
+        f.write(json.dumps(description, indent=2, sort_keys=True).encode())

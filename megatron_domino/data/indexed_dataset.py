@@ -26,6 +26,7 @@ from array import array
 import numpy as np
 
 from megatron_domino.config.errors import DataError
+from megatron_domino.files import publish
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -197,8 +198,8 @@ class IndexedDatasetBuilder:
         """Write the index, then move both files to their final names (.bin first, .idx last)."""
         self._bin.close()
         write_index(self._idx_tmp, self.dtype, np.frombuffer(self._sizes, np.int32), self._documents)
-        os.replace(self._bin_tmp, data_path(self.prefix))
-        os.replace(self._idx_tmp, index_path(self.prefix))
+        publish(self._bin_tmp, data_path(self.prefix))
+        publish(self._idx_tmp, index_path(self.prefix))
 
     def abort(self) -> None:
         self._bin.close()

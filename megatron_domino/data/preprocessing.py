@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_domino.config.schema import TokenizerConfig
+from megatron_domino.files import atomic_open
 
 from .indexed_dataset import IndexedDatasetBuilder, token_dtype
 from .progress import Progress
@@ -311,10 +312,8 @@ def _read_json(path: str):
 
 
 def _write_json(path: str, value) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
+    with atomic_open(path, encoding="utf-8") as f:
         json.dump(value, f)
-    os.replace(tmp, path)
 
 
 def write_bad_line_report(stats: PreprocessStats, path: str) -> None:

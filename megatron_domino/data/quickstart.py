@@ -11,8 +11,9 @@ import importlib
 import inspect
 import io
 import json
-import os
 import warnings
+
+from ..files import atomic_open
 
 QUICKSTART_MODULES = (
     "abc", "argparse", "ast", "asyncio.events", "asyncio.futures", "asyncio.locks", "asyncio.queues",
@@ -78,12 +79,10 @@ def corpus_documents(max_bytes: int = MAX_CORPUS_BYTES) -> list[str]:
 
 
 def write_corpus(path: str, documents: list[str]) -> None:
-    """JSONL, one ``{"text": ...}`` a line, written under a temporary name then renamed."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    """JSONL, one ``{"text": ...}`` a line, written atomically."""
+    with atomic_open(path, encoding="utf-8") as f:
         for text in documents:
             f.write(json.dumps({"text": text}) + "\n")
-    os.replace(tmp, path)
 
 
 def train_sentencepiece(documents: list[str], model_path: str, vocab_size: int = 1000) -> None:
@@ -98,7 +97,5 @@ def train_sentencepiece(documents: list[str], model_path: str, vocab_size: int =
         remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, add_dummy_prefix=True,
         unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, shuffle_input_sentence=False,
         max_sentence_length=1 << 14, minloglevel=2)
-    tmp = f"{model_path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with atomic_open(model_path, "wb") as f:
         f.write(model.getvalue())
-    os.replace(tmp, model_path)

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..parallel.random import get_tracker
-from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, LayerContext
 from .document_attention import document_attention
 from .ring_attention import Ring, ring_attention
 from .recompute import recompute
@@ -40,7 +40,7 @@ def sdpa_backend(name: str):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, ctx: TPContext):
+    def __init__(self, cfg, ctx: LayerContext):
         super().__init__()
         heads, groups, head_dim = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
         self.queries_per_group, self.local_groups, self.head_dim = heads // groups, groups // ctx.size, head_dim

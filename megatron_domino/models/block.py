@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.random import get_tracker
-from ..tensor_parallel import TPContext
+from ..tensor_parallel import LayerContext
 from .attention import Attention
 from .mlp import MLP
 from .moe import MoE
@@ -23,7 +23,7 @@ from .recompute import recompute
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg, ctx: TPContext, *, layer_number: int):
+    def __init__(self, cfg, ctx: LayerContext, *, layer_number: int):
         super().__init__()
         self.layer_number, self.ctx = layer_number, ctx
         self.hidden_dropout, self.full_recompute = cfg.hidden_dropout, cfg.recompute == "full"

@@ -1,7 +1,7 @@
 """The one language model: GPT and Llama are configurations of it.
 
-A ``LanguageModel`` holds one pipeline chunk: the embedding only where ``pre_process``, the
-final norm, output head and loss only where ``post_process``, and exactly the blocks named in
+A ``LanguageModel`` holds one pipeline chunk: the embedding only where ``has_embedding``, the
+final norm, output head and loss only where ``has_head``, and exactly the blocks named in
 ``layer_ids``. Nothing of other stages is ever allocated. Parameters carry global names
 (``layers.<global index>...``) so checkpoints and initialisation do not depend on the layout.
 """
@@ -20,7 +20,7 @@ from ..domino.order import forward_order
 from ..domino.plan import DominoPlan
 from ..parallel import comm
 from ..parallel.random import get_tracker
-from ..tensor_parallel import (ParamInfo, ShardSpec, TPContext, VocabParallelEmbedding, column_parallel_linear, declare,
+from ..tensor_parallel import (ParamInfo, ShardSpec, LayerContext, VocabParallelEmbedding, column_parallel_linear, declare,
                                make_param, sharding_table, vocab_parallel_cross_entropy)
 from .block import TransformerBlock
 from .moe import MoE
@@ -32,18 +32,18 @@ WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 
 class LanguageModel(nn.Module):
-    def __init__(self, cfg, ctx: TPContext | None = None, *, layer_ids: list[int] | None = None,
-                 pre_process: bool = True, post_process: bool = True, plan: DominoPlan | None = None):
+    def __init__(self, cfg, ctx: LayerContext | None = None, *, layer_ids: list[int] | None = None,
+                 has_embedding: bool = True, has_head: bool = True, plan: DominoPlan | None = None):
         """``ctx``: where the TP layers run (default: one rank, fp32, CPU); the Domino ``plan`` sets how they
         reduce input gradients."""
         super().__init__()
         self.cfg, self.plan = cfg, plan or DominoPlan()
-        self.ctx = replace(ctx or TPContext(), grad_pieces=self.plan.grad_pieces)
+        self.ctx = replace(ctx or LayerContext(), grad_pieces=self.plan.grad_pieces)
         self.domino_step = None  # the Domino step running now, for traces (see domino.order.Step)
-        self.pre_process, self.post_process = pre_process, post_process
+        self.has_embedding, self.has_head = has_embedding, has_head
         self.layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
         self.padded_vocab = cfg.padded_vocab_size(self.ctx.size)
-        if pre_process:
+        if has_embedding:
             self.embedding = nn.Module()
             self.embedding.word_embeddings = VocabParallelEmbedding(
                 cfg.vocab_size, self.padded_vocab, cfg.hidden_size, self.ctx, init_std=cfg.init_std)
@@ -57,9 +57,9 @@ class LanguageModel(nn.Module):
                 cfg.head_dim, cfg.rope_base, cfg.rope_scaling_factor, cfg.rope_low_freq_factor,
                 cfg.rope_high_freq_factor, cfg.rope_original_max_position).to(self.ctx.device), persistent=False)
         self.layers = nn.ModuleList(TransformerBlock(cfg, self.ctx, layer_number=i) for i in self.layer_ids)
-        if post_process:
+        if has_head:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.ctx)
-            if not (cfg.tie_embeddings and pre_process):
+            if not (cfg.tie_embeddings and has_embedding):
                 spec = ShardSpec(0, (self.padded_vocab,))
                 self.output_layer = nn.Module()
                 # Tied: a copy of the first stage's embedding, kept equal by the pipeline.
@@ -110,17 +110,17 @@ class LanguageModel(nn.Module):
         if self.plan.enabled and self.ctx.size > 1:  # with one TP rank there is nothing to overlap
             return self._forward_domino(input_tensor, batch, return_logits)
         hidden = input_tensor
-        if self.pre_process:
+        if self.has_embedding:
             hidden = self._embedding_tail(self.embedding.word_embeddings(batch["tokens"]), batch, slice(None))
         rotary = self._rotary(batch, hidden.shape[0])
         for block in self.layers:
             hidden = block(hidden, rotary, batch.get("doc_offsets"))
-        return self._head(hidden, batch, slice(None), return_logits) if self.post_process else hidden
+        return self._head(hidden, batch, slice(None), return_logits) if self.has_head else hidden
 
     def _forward_domino(self, input_tensor: torch.Tensor | None, batch: dict, return_logits: bool) -> torch.Tensor:
         """The same computation per mu-chunk in Domino's order (``domino.order``): the embedding and the head
         included, so their all-reduces overlap the other chunks' compute as the blocks' do."""
-        batch_size = batch["tokens"].shape[0] if self.pre_process else input_tensor.shape[0]
+        batch_size = batch["tokens"].shape[0] if self.has_embedding else input_tensor.shape[0]
         rows, columns = self.plan.split_for(batch_size)
         base, extra = divmod(batch_size, rows)  # tensor_split's sizes, computed on the host
         starts = [i * base + min(i, extra) for i in range(rows + 1)]
@@ -128,8 +128,8 @@ class LanguageModel(nn.Module):
         rotary, offsets = self._rotary(batch, batch_size), batch.get("doc_offsets")
         contexts = [(None if rotary is None else tuple(t[rows_] for t in rotary),
                      None if offsets is None else offsets[rows_]) for rows_ in slices]
-        order = forward_order(len(self.layers), rows, self.plan.overlap, self.pre_process, self.post_process)
-        outputs = run_order(order, self.layers, [] if self.pre_process else [input_tensor[r] for r in slices],
+        order = forward_order(len(self.layers), rows, self.plan.overlap, self.has_embedding, self.has_head)
+        outputs = run_order(order, self.layers, [] if self.has_embedding else [input_tensor[r] for r in slices],
                             contexts, column_pieces=columns,
                             embed=lambda c: self._embed_async(batch, slices[c]),
                             head=lambda x, c: self._head(x, batch, slices[c], return_logits),

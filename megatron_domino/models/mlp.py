@@ -7,13 +7,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config.schema import ACTIVATIONS
-from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, LayerContext
 
 
 class MLP(nn.Module):
     """``ffn``: the width (default the model's); mixture-of-experts layers build their experts from it."""
 
-    def __init__(self, cfg, ctx: TPContext, ffn: int | None = None):
+    def __init__(self, cfg, ctx: LayerContext, ffn: int | None = None):
         super().__init__()
         if cfg.activation not in ACTIVATIONS:
             raise ValueError(f"model.activation = {cfg.activation!r}: must be one of {ACTIVATIONS}")

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel import comm
-from ..tensor_parallel import ParamInfo, TPContext, declare, make_param
+from ..tensor_parallel import ParamInfo, LayerContext, declare, make_param
 from ..tensor_parallel.async_comm import launch_reduce
 from .expert_dispatch import ExpertExchange
 from .expert_linear import experts_linear, grouped_mm
@@ -102,14 +102,14 @@ class _AttachLoss(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg, ctx: TPContext):
+    def __init__(self, cfg, ctx: LayerContext):
         super().__init__()
         self.ctx, self.num_experts, self.topk = ctx, cfg.num_experts, cfg.moe_topk
         self.router_kind, self.capacity_factor = cfg.moe_router, cfg.moe_capacity_factor
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.router = nn.Module()
         declare(self.router, "weight", make_param((cfg.num_experts, cfg.hidden_size), ctx),
-                ParamInfo(None, "normal", cfg.init_std, sequence_parallel=ctx.sequence_parallel))
+                ParamInfo(None, "normal", cfg.init_std, grad_sums_over_tp=ctx.sequence_parallel))
         ep, ep_rank = comm.group_size(ctx.ep_group), comm.group_rank(ctx.ep_group)
         local = cfg.num_experts // ep
         self.split = ctx.experts_split or ctx.size == 1
@@ -120,9 +120,9 @@ class MoE(nn.Module):
             for linear in (expert.fc1, expert.fc2):
                 for name, info in linear.param_info.items():
                     # a split fc2 bias is gate-weighted per token: added as partials, its gradient sums over TP
-                    sums_over_tp = self.split and (info.sequence_parallel or (linear is expert.fc2 and name == "bias"))
+                    sums_over_tp = self.split and (info.grad_sums_over_tp or (linear is expert.fc2 and name == "bias"))
                     declare(linear, name, getattr(linear, name),
-                            replace(info, expert=True, sequence_parallel=sums_over_tp,
+                            replace(info, expert=True, grad_sums_over_tp=sums_over_tp,
                                     spec=info.spec if self.split else None, tp_replicated=self.split))
         self.grouped_gemm = cfg.moe_grouped_gemm
         if self.grouped_gemm and grouped_mm is None:

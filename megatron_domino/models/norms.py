@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config.schema import NORMS
-from ..tensor_parallel import ParamInfo, TPContext, declare, make_param
+from ..tensor_parallel import ParamInfo, LayerContext, declare, make_param
 
 try:  # optional: NVIDIA apex, never required
     from apex.normalization import FusedLayerNorm as _ApexLayerNorm  # noqa: F401
@@ -21,15 +21,15 @@ except ImportError:
 
 
 class Norm(nn.Module):
-    def __init__(self, kind: str, hidden_size: int, eps: float, ctx: TPContext):
+    def __init__(self, kind: str, hidden_size: int, eps: float, ctx: LayerContext):
         super().__init__()
         if kind not in NORMS:
             raise ValueError(f"model.norm = {kind!r}: must be one of {', '.join(NORMS)}")
         self.kind, self.eps, self.hidden_size = kind, eps, hidden_size
         sp = ctx.sequence_parallel
-        declare(self, "weight", make_param((hidden_size,), ctx), ParamInfo(None, "ones", sequence_parallel=sp))
+        declare(self, "weight", make_param((hidden_size,), ctx), ParamInfo(None, "ones", grad_sums_over_tp=sp))
         declare(self, "bias", make_param((hidden_size,), ctx) if kind == "layernorm" else None,
-                ParamInfo(None, "zeros", sequence_parallel=sp))
+                ParamInfo(None, "zeros", grad_sums_over_tp=sp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.float() if self.bias is not None else None

@@ -245,14 +245,6 @@ class GradBuffer:
         for work in works:
             work.wait()
 
-    def gather_bucket(self, bucket: Bucket, shard: torch.Tensor) -> torch.Tensor:
-        """The bucket-sized tensor holding every rank's ``shard`` (checkpointing; synchronous)."""
-        if self.shards == 1:
-            return shard
-        full = shard.new_empty(bucket.size)
-        all_gather_flat(full, shard, group=self.group)
-        return full
-
     def grad_bytes(self) -> int:
         """Gradient memory held now: the full buffer (ZeRO-0/1) or attached buckets (ZeRO-2), plus shards."""
         held = self.grad_data.numel() if self.grad_data is not None else sum(

@@ -41,6 +41,18 @@ def _first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.rstrip("]").split(",")[0].split("-")[0]
 
 
+def launched_world_size() -> int | None:
+    """The world size the launcher (torchrun's WORLD_SIZE, slurm's SLURM_NTASKS) announces; None without one.
+    The environment is read here and in this module alone."""
+    value = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS")
+    return int(value) if value else None
+
+
+def launched_rank() -> int:
+    """This process's rank as the launcher announces it (0 without one), before any process group exists."""
+    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

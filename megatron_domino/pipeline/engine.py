@@ -20,7 +20,7 @@ from ..parallel.strict import strict_enabled
 from .device_batches import DeviceBatches
 from .executor import PipelineExecutor, StageContext
 from .p2p import P2P
-from .schedules import build_schedule, schedule_kind
+from .schedules import schedule_for
 from .strict_transport import StrictP2P
 
 
@@ -36,12 +36,10 @@ class PipelineEngine:
         sequence = sequence // state.tp_size if par.sequence_parallel and state.tp_size > 1 else sequence
         self.stage = StageContext(state.pp_rank, state.pp_size, par.virtual_pp, state.next_pp_rank, state.prev_pp_rank,
                                   (cfg.train.micro_batch_size, sequence, model.hidden_size), dtype)
-        kind = schedule_kind(state.pp_size, par.virtual_pp, par.pipeline_schedule)
-        self.schedule = build_schedule(kind, state.pp_size, num_microbatches, par.virtual_pp)[state.pp_rank]
-        self.eval_schedule = build_schedule(kind, state.pp_size, num_microbatches, par.virtual_pp,
-                                            forward_only=True)[state.pp_rank]
-        self.holds_loss = any(c.post_process for c in chunks)
-        self.needs_tokens = any(c.pre_process for c in chunks)
+        self.program = schedule_for(par, num_microbatches)[1][state.pp_rank]
+        self.eval_program = schedule_for(par, num_microbatches, forward_only=True)[1][state.pp_rank]
+        self.holds_loss = any(c.has_head for c in chunks)
+        self.needs_tokens = any(c.has_embedding for c in chunks)
         self._loss_factor = torch.ones((), dtype=torch.float64, device=device)
         # The strict transport emulates NCCL's p2p rules on gloo (its announcements rely on gloo's tags and
         # buffering); on NCCL the rules hold by themselves, so the plain transport serves there.
@@ -65,12 +63,12 @@ class PipelineEngine:
             dist.all_reduce(count, group=self.state.dp_cp_group)
         return count
 
-    def _run(self, schedule: list, microbatches: list[dict], loss_scale: float) -> torch.Tensor:
+    def _run(self, program: list, microbatches: list[dict], loss_scale: float) -> torch.Tensor:
         total_tokens = self._global_token_count(microbatches) if self.holds_loss else None
         if total_tokens is not None:
             self._loss_factor = loss_scale / total_tokens
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for loss in self.executor.run(schedule, DeviceBatches(microbatches, self.device)):
+        for loss in self.executor.run(program, DeviceBatches(microbatches, self.device)):
             loss_sum += loss.double()
         return self._share_loss(loss_sum, total_tokens)
 
@@ -80,14 +78,14 @@ class PipelineEngine:
             chunk.train()
             if self.moe_sample_weight is not None:
                 chunk.start_moe_step(loss_scale * self.moe_sample_weight)
-        return self._run(self.schedule, microbatches, loss_scale)
+        return self._run(self.program, microbatches, loss_scale)
 
     @torch.no_grad()
     def evaluate(self, microbatches: list[dict]) -> torch.Tensor:
         """The forward-only schedule (the training schedule's forwards, transfers grouped the same way)."""
         for chunk in self.chunks:
             chunk.eval()
-        return self._run(self.eval_schedule, microbatches, 1.0)
+        return self._run(self.eval_program, microbatches, 1.0)
 
     def _share_loss(self, loss_sum: torch.Tensor, total_tokens: torch.Tensor | None) -> torch.Tensor:
         if self.state.dp_cp_size > 1:

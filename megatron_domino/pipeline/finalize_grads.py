@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..parallel import comm
-from ..tensor_parallel.sequence_parallel import allreduce_sequence_parallel_grads
+from ..tensor_parallel.sequence_parallel import sum_partial_grads_over_tp
 from .stages import allreduce_tied_embedding_grads
 
 
@@ -34,4 +34,4 @@ def finalize_grads(chunks, state, optimizer=None) -> None:
                 if comm.group_size(group) > 1:
                     dist.all_reduce(param.grad, group=group)
     allreduce_tied_embedding_grads(chunks, state, grad_of)
-    allreduce_sequence_parallel_grads(chunks, state.tp_group, grad_of)
+    sum_partial_grads_over_tp(chunks, state.tp_group, grad_of)

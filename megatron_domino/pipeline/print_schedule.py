@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .schedules import KINDS, build_schedule, schedule_kind
+from .schedules import KINDS, build_schedule, schedule_for, schedule_kind
 from .simulate import Costs, ScheduleError, simulate
 from .timeline import render_timeline, summarize
 
@@ -27,18 +27,36 @@ def main(argv: list[str] | None = None) -> int:
     kind = args.kind or schedule_kind(args.pp, args.virtual)
     try:
         schedule = build_schedule(kind, args.pp, args.microbatches, args.virtual)
-        result = simulate(schedule, args.microbatches, args.virtual,
-                          Costs(args.forward_cost, args.backward_cost, args.comm_cost))
-    except (ValueError, ScheduleError) as err:
+    except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"{kind}: pp={args.pp} microbatches={args.microbatches} virtual_pp={args.virtual} "
-          f"forward={args.forward_cost:g} backward={args.backward_cost:g} comm={args.comm_cost:g}")
+    return show(kind, schedule, args.microbatches, args.virtual,
+                Costs(args.forward_cost, args.backward_cost, args.comm_cost), args.ops)
+
+
+def show_run(parallel, num_microbatches: int) -> int:
+    """``--print-schedule``: the schedule a run with these settings executes (``schedules.schedule_for``)."""
+    try:
+        kind, schedule = schedule_for(parallel, num_microbatches)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return show(kind, schedule, num_microbatches, parallel.virtual_pp, Costs(), ops=False)
+
+
+def show(kind: str, schedule: list[list], num_microbatches: int, virtual_pp: int, costs: Costs, ops: bool) -> int:
+    try:
+        result = simulate(schedule, num_microbatches, virtual_pp, costs)
+    except ScheduleError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{kind}: pp={len(schedule)} microbatches={num_microbatches} virtual_pp={virtual_pp} "
+          f"forward={costs.forward:g} backward={costs.backward:g} comm={costs.comm:g}")
     print(render_timeline(result))
     print(summarize(result))
-    if args.ops:
+    if ops:
         for rank, program in enumerate(schedule):
-            print(f"rank {rank} ops: " + " ".join(inst.label(args.virtual > 1) for inst in program))
+            print(f"rank {rank} ops: " + " ".join(inst.label(virtual_pp > 1) for inst in program))
     return 0
 
 

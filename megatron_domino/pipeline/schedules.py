@@ -201,6 +201,13 @@ def _validate(kind: str, pp: int, m: int, v: int) -> None:
                              f"multiple of train.micro_batch_size * dp * {pp}, or set parallel.virtual_pp: 1")
 
 
+def schedule_for(parallel, num_microbatches: int, forward_only: bool = False) -> tuple[str, list[list]]:
+    """What a run with these settings (``cfg.parallel``) executes: the schedule's kind and every rank's
+    program. Training, evaluation and ``--print-schedule`` all come through here."""
+    kind = schedule_kind(parallel.pp, parallel.virtual_pp, parallel.pipeline_schedule)
+    return kind, build_schedule(kind, parallel.pp, num_microbatches, parallel.virtual_pp, forward_only)
+
+
 def build_schedule(kind: str, pp: int, num_microbatches: int, virtual_pp: int = 1,
                    forward_only: bool = False) -> list[list]:
     """Program (compute instructions and transfer groups) of every pipeline rank (index = rank).

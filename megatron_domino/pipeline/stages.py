@@ -9,7 +9,7 @@ import torch.distributed as dist
 from ..domino.plan import DominoPlan
 from ..models import LanguageModel, initialize_weights
 from ..models.counters import count_parameters
-from ..tensor_parallel import TPContext
+from ..tensor_parallel import LayerContext
 from .partition import partition_layers, stage_layers
 from .schedules import virtual_stage
 
@@ -34,13 +34,13 @@ def build_stage_chunks(cfg, state, *, dtype=torch.float32, device=None, init_see
     partition = layer_partition(cfg)
     stages = par.pp * par.virtual_pp
     plan = DominoPlan.from_config(par)
-    ctx = TPContext(state.tp_group, par.sequence_parallel, dtype=dtype, device=device, cp_group=state.cp_group,
+    ctx = LayerContext(state.tp_group, par.sequence_parallel, dtype=dtype, device=device, cp_group=state.cp_group,
                     ep_group=state.expert_group, experts_split=state.topology.expert_tp == state.tp_size)
     chunks = []
     for chunk in range(par.virtual_pp):
         stage = virtual_stage(state.pp_rank, chunk, par.pp)
         model = LanguageModel(cfg.model, ctx, layer_ids=stage_layers(partition, state.pp_rank, chunk, par.pp),
-                              pre_process=stage == 0, post_process=stage == stages - 1, plan=plan)
+                              has_embedding=stage == 0, has_head=stage == stages - 1, plan=plan)
         if init_seed is not None:
             initialize_weights(model, init_seed, state.tp_rank, state.tp_size)
         chunks.append(model)
@@ -51,9 +51,9 @@ def tied_embedding_params(chunks) -> list[torch.Tensor]:
     """The input embedding (first stage) or its copy in the output head (last stage), where pp > 1."""
     found = []
     for chunk in chunks:
-        if chunk.pre_process and chunk.cfg.tie_embeddings and not chunk.post_process:
+        if chunk.has_embedding and chunk.cfg.tie_embeddings and not chunk.has_head:
             found.append(chunk.embedding.word_embeddings.weight)
-        if chunk.post_process and hasattr(chunk, "output_layer") and chunk.cfg.tie_embeddings:
+        if chunk.has_head and hasattr(chunk, "output_layer") and chunk.cfg.tie_embeddings:
             found.append(chunk.output_layer.weight)
     return found
 

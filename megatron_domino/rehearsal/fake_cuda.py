@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 
+from ..files import publish  # imports no torch either
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_cuda.cpp")
 _loaded: ctypes.CDLL | None = None
 
@@ -63,7 +65,7 @@ def build() -> str:
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise FakeCudaUnavailable(f"compiling {SOURCE} failed:\n{result.stderr[-3000:]}")
-        os.replace(built, target)  # atomic: a concurrent build never sees half a library
+        publish(built, target)  # a concurrent build never sees half a library
     return target
 
 

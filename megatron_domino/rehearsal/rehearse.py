@@ -148,7 +148,7 @@ def rehearse_rank(cfg, world_size: int, rank: int, gpu: str = "h100-80gb", job=N
                 syncs.steady, collectives.counting = False, False
                 preemption.close(finish=False)
                 coordinate = trainer.state.topology.coordinate(rank)
-                instructions = sum(1 for _ in trainer.engine.schedule)
+                instructions = sum(1 for _ in trainer.engine.program)
                 pp_rank = trainer.state.pp_rank
             finally:
                 trainer.close()

@@ -2,5 +2,5 @@
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .layers import ColumnParallelLinear, RowParallelLinear, column_parallel_linear, make_param
-from .context import TPContext
+from .context import LayerContext
 from .sharding import ParamInfo, ShardSpec, declare, shard, sharding_table, unshard

@@ -1,10 +1,10 @@
-"""Where tensor-parallel layers run, as one value passed to every layer's constructor.
+"""Where a model's layers run (``LayerContext``), as one value passed to every layer's constructor.
 
 The TP group, whether activations are split along the sequence between TP regions (sequence
-parallelism), how Domino reduces input gradients, and the parameters' dtype and device used to
-travel as separate arguments through every model constructor. A ``TPContext`` carries them
-together, explicitly: no layer looks anything up in process-wide state. It also names the
-context-parallel ring, which only attention and the positions use.
+parallelism), how Domino reduces input gradients, the parameters' dtype and device, the context-parallel
+ring (attention and the positions use it) and the expert-parallel group (the MoE token exchange) used to
+travel as separate arguments through every model constructor. A ``LayerContext`` carries them together,
+explicitly: no layer looks anything up in process-wide state.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ..parallel import comm
 
 
 @dataclass(frozen=True)
-class TPContext:
+class LayerContext:
     group: object = None  # the TP process group; None: one rank
     sequence_parallel: bool = False  # normalised: never on with one TP rank
     grad_pieces: int = 0  # Domino: column pieces of the async input-gradient all-reduce; 0 = synchronous

@@ -7,7 +7,7 @@ from torch import nn
 
 from ..parallel import comm
 from .layers import make_param
-from .context import TPContext
+from .context import LayerContext
 from .sharding import ParamInfo, ShardSpec, declare
 
 
@@ -23,7 +23,7 @@ class VocabParallelEmbedding(nn.Module):
     initialised to zero and are masked out of the loss, so padding never changes the result.
     """
 
-    def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, ctx: TPContext, *,
+    def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, ctx: LayerContext, *,
                  init_std: float = 0.02):
         super().__init__()
         self.ctx, self.vocab_size, self.padded_vocab_size = ctx, vocab_size, padded_vocab_size

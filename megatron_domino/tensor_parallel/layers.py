@@ -13,17 +13,17 @@ from torch import nn
 
 from .async_comm import PendingReduce, column_linear_async, row_linear_launch
 from ..parallel import comm
-from .context import TPContext
+from .context import LayerContext
 from .sharding import ParamInfo, ShardSpec, declare
 
 
-def make_param(shape, ctx: TPContext) -> nn.Parameter:
+def make_param(shape, ctx: LayerContext) -> nn.Parameter:
     """An uninitialised parameter on the context's device and dtype (``models.init`` fills it from the
     sharding table)."""
     return nn.Parameter(torch.empty(shape, dtype=ctx.dtype, device=ctx.device))
 
 
-def column_parallel_linear(x, weight, bias, ctx: TPContext):
+def column_parallel_linear(x, weight, bias, ctx: LayerContext):
     """The column-parallel product with its TP entry: Domino async, SP all-gather, or Megatron's copy."""
     if ctx.grad_pieces > 0:
         return column_linear_async(x, weight, bias, ctx.group, ctx.grad_pieces, ctx.sequence_parallel)
@@ -40,7 +40,7 @@ class ColumnParallelLinear(nn.Module):
     (in that many column pieces); 0 is the synchronous Megatron path.
     """
 
-    def __init__(self, in_features: int, out_features: int, ctx: TPContext, *, parts: tuple[int, ...] | None = None,
+    def __init__(self, in_features: int, out_features: int, ctx: LayerContext, *, parts: tuple[int, ...] | None = None,
                  bias: bool = True, gather_output: bool = False, skip_bias_add: bool = False,
                  init_std: float = 0.02):
         super().__init__()
@@ -69,7 +69,7 @@ class RowParallelLinear(nn.Module):
     variant: it starts the all-reduce and returns a ``PendingReduce`` to wait on later.
     """
 
-    def __init__(self, in_features: int, out_features: int, ctx: TPContext, *, bias: bool = True,
+    def __init__(self, in_features: int, out_features: int, ctx: LayerContext, *, bias: bool = True,
                  input_is_parallel: bool = True, init_std: float = 0.02):
         super().__init__()
         self.ctx, self.input_is_parallel = ctx, input_is_parallel
@@ -78,7 +78,7 @@ class RowParallelLinear(nn.Module):
                 ParamInfo(spec, "normal", init_std))
         # Under SP the bias is added to this rank's slice of the sequence only: its gradient sums over TP.
         declare(self, "bias", make_param((out_features,), ctx) if bias else None,
-                ParamInfo(None, "zeros", sequence_parallel=ctx.sequence_parallel))
+                ParamInfo(None, "zeros", grad_sums_over_tp=ctx.sequence_parallel))
 
     def forward(self, x: torch.Tensor):
         group = self.ctx.group

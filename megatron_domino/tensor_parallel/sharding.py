@@ -44,7 +44,8 @@ class ParamInfo:
     spec: ShardSpec | None = None  # split across TP; None: replicated
     init: str = "normal"  # normal | zeros | ones
     std: float = 0.0  # of the normal initialisation
-    sequence_parallel: bool = False  # fed a different sequence slice per TP rank: gradients sum over TP
+    # replicated, but fed a different slice per TP rank (sequence parallelism) or a partial: gradients sum over TP
+    grad_sums_over_tp: bool = False
     vocab_rows: int | None = None  # rows past this are vocabulary padding (zero, never trained)
     tied_to: str | None = None  # a copy of this global parameter (a tied output head on another stage)
     expert: bool = False  # an expert's: replicated over the expert-data-parallel group, not all of dp

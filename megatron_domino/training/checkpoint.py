@@ -27,6 +27,7 @@ from ..checkpoint_format import tensors
 from ..checkpoint_format import resolve_load_path  # noqa: F401 - the trainer takes it from here
 from ..config.errors import CheckpointError
 from ..config.loader import config_to_dict
+from ..files import fsync_dir, fsync_file
 from ..models.full_state import saved_parameters
 from ..optim.sharded_state import ShardedStateLoad, checkpoint_meta, checkpoint_regions
 from ..parallel.device import cuda
@@ -89,7 +90,7 @@ class Checkpointer:
             budget = max(self.cfg.checkpoint.save_timeout_s, self.cfg.checkpoint.load_timeout_s)
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=budget))
 
-    def save(self, root: str, step: int, *, chunks, optimizer, schedule, consumed_samples: int, keep: int,
+    def save(self, root: str, step: int, *, chunks, optimizer, lr_schedule, consumed_samples: int, keep: int,
              phase: Phase | None = None) -> str:
         """Write step ``step`` under ``root``; returns its final directory. With ``checkpoint.async_save`` it
         returns once the state is staged in host memory, and the directory appears when the write is done."""
@@ -102,10 +103,10 @@ class Checkpointer:
         phase.barrier("temporary directory created")
         rng_path = os.path.join(tmp, fmt.rng_file(self.state.rank))
         torch.save(capture_rng_state(), rng_path)
-        fmt.fsync_file(rng_path)
+        fsync_file(rng_path)
         content = {**model_state(chunks, self.state.tp_rank), **optimizer_state(optimizer)}
         meta = fmt.metadata(step, config_to_dict(self.cfg), self._layout(), consumed_samples=consumed_samples,
-                            lr_schedule=schedule.state_dict(), optimizer=checkpoint_meta(optimizer))
+                            lr_schedule=lr_schedule.state_dict(), optimizer=checkpoint_meta(optimizer))
         if self.cfg.checkpoint.async_save:
             phase.progress("staging the state in host memory")
             self._writer = threading.Thread(target=self._in_background, name=f"checkpoint-step-{step}", daemon=True,
@@ -119,7 +120,7 @@ class Checkpointer:
     def _write_and_publish(self, tmp: str, content: dict, root: str, meta: dict, keep: int) -> None:
         tensors.write(tmp, content, group=self.group)  # returns on every rank once the index is written
         if self.state.rank == 0:
-            fmt.fsync_dir(os.path.join(tmp, "rng"))
+            fsync_dir(os.path.join(tmp, "rng"))
             fmt.publish_step_dir(root, tmp, meta, keep)
         if self.group is not None:
             dist.barrier(group=self.group)  # no rank reports a save done before it is published
@@ -149,8 +150,8 @@ class Checkpointer:
         return fmt.layout(state.tp_size, state.pp_size, state.dp_size, state.virtual_pp,
                           self.cfg.optimizer.zero_stage, state.cp_size)
 
-    def load(self, path: str, *, chunks, optimizer, schedule, phase: Phase | None = None) -> dict:
-        """Load weights (and optimizer, schedule, RNG where present) into this rank; returns the metadata.
+    def load(self, path: str, *, chunks, optimizer, lr_schedule, phase: Phase | None = None) -> dict:
+        """Load weights (and optimizer, LR schedule, RNG where present) into this rank; returns the metadata.
 
         Ends when every rank has loaded, so no rank's first collective waits out a slow reader.
         """
@@ -169,7 +170,7 @@ class Checkpointer:
         tensors.read(path, wanted, group=self.group)
         if optimizer_load is not None:
             optimizer_load.apply()
-            schedule.load_state_dict(metadata["lr_schedule"])
+            lr_schedule.load_state_dict(metadata["lr_schedule"])
         rng_file = os.path.join(path, fmt.rng_file(self.state.rank))
         if fmt.saved_layout(metadata) == self._layout() and os.path.exists(rng_file):
             restore_rng_state(torch.load(rng_file, weights_only=True))

@@ -20,11 +20,10 @@ import traceback
 import warnings
 
 from ..config import ConfigError, load_config, validate_config
-from ..parallel.launch import device_type_for
+from ..parallel.launch import device_type_for, launched_rank, launched_world_size
+from ..parallel.topology import Topology
 
 
-def _world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
 
 
 def parse_args(argv, family: str):
@@ -41,7 +40,7 @@ def parse_args(argv, family: str):
 
 def main(argv=None, family: str = "GPT") -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv, family)
-    world = args.world_size or _world_size()
+    world = args.world_size or launched_world_size() or 1
     try:
         cfg = load_config(args.config, args.overrides)
         if args.dry_run:
@@ -58,11 +57,9 @@ def main(argv=None, family: str = "GPT") -> int:
     except (ConfigError, FileNotFoundError) as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
-    if args.print_schedule:
-        from ..pipeline.print_schedule import main as print_schedule
-        par = cfg.parallel
-        micro = cfg.train.num_microbatches(par.dp or world // (par.tp * par.pp))
-        return print_schedule(["--pp", str(par.pp), "--microbatches", str(micro), "--virtual", str(par.virtual_pp)])
+    if args.print_schedule:  # the run's own schedule: its kind, and micro-batches per DP rank as the trainer counts
+        from ..pipeline.print_schedule import show_run
+        return show_run(cfg.parallel, cfg.train.num_microbatches(Topology.from_config(cfg.parallel, world).dp))
     from .trainer import run
     try:
         run(cfg, eval_only=args.eval_only)
@@ -129,7 +126,7 @@ def _rank_and_coordinates() -> tuple[int, str]:
     from ..parallel import state
     if state.is_initialized():
         return state.get().rank, state.get().coordinates()
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    rank = dist.get_rank() if dist.is_initialized() else launched_rank()
     return rank, f"rank {rank}"
 
 

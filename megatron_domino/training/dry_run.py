@@ -11,11 +11,11 @@ fail after 1024 ranks started fails here instead.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from ..config import ConfigError, load_config, validate_config
 from ..config.schema import Config
+from ..parallel.launch import launched_world_size
 from ..parallel.topology import Topology
 from ..pipeline.schedules import schedule_kind
 from ..planner.hardware import get_gpu
@@ -97,15 +97,10 @@ def dry_run(cfg: Config, world_size: int, gpus_per_node: int = 8, gpu: str = "h1
     return "\n".join(lines)
 
 
-def _default_world_size() -> int | None:
-    value = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS")
-    return int(value) if value else None
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config (see configs/)")
-    parser.add_argument("--world-size", type=int, default=_default_world_size(),
+    parser.add_argument("--world-size", type=int, default=launched_world_size(),
                         help="ranks of the launch (default: $WORLD_SIZE or $SLURM_NTASKS)")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu", default="h100-80gb", help="GPU type for the memory estimate (see planner/hardware.py)")

@@ -77,7 +77,7 @@ class Trainer:
                                               fp16=train.fp16, bf16=train.bf16, bucket_alone=(WORD_EMBEDDINGS,),
                                               expert_dp_group=self.state.expert_dp_group,
                                               ep_group=self.state.ep_group)
-        self.schedule = LRSchedule.from_config(cfg.optimizer, train.steps)
+        self.lr_schedule = LRSchedule.from_config(cfg.optimizer, train.steps)
         self.num_microbatches = train.num_microbatches(self.state.dp_size)
         self.engine = PipelineEngine(self.chunks, self.state, cfg, device=self.device, dtype=self.dtype,
                                      num_microbatches=self.num_microbatches,
@@ -145,7 +145,7 @@ class Trainer:
             return
         with self.watchdog.watching(load_phase(self.cfg)) as phase:
             metadata = self.checkpointer.load(path, chunks=self.chunks, optimizer=self.optimizer,
-                                              schedule=self.schedule, phase=phase)
+                                              lr_schedule=self.lr_schedule, phase=phase)
         if metadata.get("has_optimizer"):
             self.step = metadata["step"]
             self._consumed = metadata["consumed_samples"]
@@ -160,7 +160,7 @@ class Trainer:
         self.phase = "saving a checkpoint"
         with self.watchdog.watching(save_phase(self.cfg)) as phase:
             path = self.checkpointer.save(ckpt.dir, self.step, chunks=self.chunks, optimizer=self.optimizer,
-                                          schedule=self.schedule, consumed_samples=self._consumed, keep=ckpt.keep,
+                                          lr_schedule=self.lr_schedule, consumed_samples=self._consumed, keep=ckpt.keep,
                                           phase=phase)
         self._log_once(f"{'saving checkpoint (in the background)' if ckpt.async_save else 'saved checkpoint'} {path}")
 
@@ -194,13 +194,13 @@ class Trainer:
         self.timers.stop("forward-backward")
         self.phase = "optimizer step"
         self.timers.start("optimizer")
-        lr = self.schedule.lr_at(self.step)
+        lr = self.lr_schedule.lr_at(self.step)
         with record_function("optimizer step"):
             _, grad_norm = self.optimizer.step(lr, self.guard.judge(self.step + 1, loss) if self.guard else None)
         self.timers.stop("optimizer")
         if self.guard is not None and self.guard.problem and self.guard.action == "stop":
             return {"bad_step": self.guard.problem}  # the step is not counted: state stays at the last good one
-        self.schedule.step()
+        self.lr_schedule.step()
         self.step += 1
         self._consumed += self.cfg.train.global_batch_size
         self.phase = "logging"
