@@ -6,7 +6,7 @@ beside theory.
                                                        # fixed-time stages, as the peers were measured
 
 ``--stage-cost sleep:MS`` pads every op to a fixed time (the model still runs, tiny, inside it): a forward
-MS, a backward 2·MS, split evenly into B and W where the schedule splits it (a chunk's op 1/v of that under
+MS, a backward (B) 2·MS, split evenly into I and W where the schedule splits it (a chunk's op 1/v of that under
 interleaving). The idle fraction then no longer depends on how many cores the ranks share. The model must
 run well inside MS (the report warns when an op overran its cost), and what remains is the machine's
 latency per transfer: about 0.8 ms from a send to a sleeping receiver's wake-up on these VMs, 0.8% of a
@@ -47,7 +47,7 @@ def parse_args(argv=None):
     parser.add_argument("--microbatches", default="4,8,16", help="comma-separated m (multiples of pp)")
     parser.add_argument("--schedules", default=",".join(SCHEDULES), help=f"of {', '.join(SCHEDULES)}")
     parser.add_argument("--stage-cost", default=None, metavar="sleep:MS",
-                        help="pad each forward to MS ms, each backward to 2 MS (B and W MS each) instead of timing "
+                        help="pad each forward to MS ms, each backward to 2 MS (I and W MS each) instead of timing "
                              "the model's compute")
     parser.add_argument("--rounds", type=int, default=3, help="timed steps per configuration (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration first")
@@ -97,7 +97,7 @@ def fixed_costs(executor, milliseconds: float, virtual_pp: int):
         return run
 
     executor._forward = padded(forward, lambda *args: unit)
-    executor._backward = padded(backward, lambda step, split, *rest: unit if split else 2 * unit)
+    executor._backward = padded(backward, lambda step, *rest: 2 * unit if step.op == "backward" else unit)
     try:
         yield
     finally:  # pipeline_ops may have removed the wrappers already
@@ -135,7 +135,8 @@ def measure(args, schedule: str, m: int) -> list[list[tuple]] | None:
 
 def analyse(everyone: list, schedule: str, m: int, pp: int) -> dict:
     """Busy / idle per rank (medians over steps) and the three predictions."""
-    from megatron_domino.pipeline.schedules import build_schedule, virtual_stage
+    from megatron_domino.pipeline.program import virtual_stage
+    from megatron_domino.pipeline.schedules import build_schedule
     from megatron_domino.pipeline.simulate import Costs, simulate
     v = SCHEDULES[schedule]
     steps = len(everyone[0])
@@ -154,7 +155,7 @@ def analyse(everyone: list, schedule: str, m: int, pp: int) -> dict:
     stages = pp * v
     median = lambda op: [statistics.median(durations[(op, s)]) for s in range(stages)]  # noqa: E731
     weight = median("backward_weight") if schedule == "zb-h1" else None
-    backward = [b + w for b, w in zip(median("backward"), weight)] if weight else median("backward")
+    backward = [i + w for i, w in zip(median("backward_input"), weight)] if weight else median("backward")
     measured = Costs(forward=median("forward"), backward=backward, weight=weight)
     program = build_schedule(schedule, pp, m, v)
     unit, real = simulate(program, m, v), simulate(program, m, v, measured)

@@ -37,7 +37,7 @@ def test_print_schedule_is_the_runs_own_schedule():
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("zb-h1: pp=2 microbatches=8 ")
     rows = [line for line in result.stdout.splitlines() if line.startswith("rank ") and " | " in line]
-    assert len(rows) == 2 and "W7" in rows[0] and "B7" in rows[1]
+    assert len(rows) == 2 and "W7" in rows[0] and "I7" in rows[1]
 
 
 def test_dry_run_prints_rank_map_without_a_process_group():

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from megatron_domino.pipeline.p2p import ACTIVATION, GRADIENT, P2P, P2PTimeout, Transfer
-from megatron_domino.pipeline.schedules import Instruction, TransferGroup, build_schedule, transfers_of
+from megatron_domino.pipeline.program import Instruction, TransferGroup, transfers_of
+from megatron_domino.pipeline.schedules import build_schedule
 from megatron_domino.pipeline.strict_transport import StrictP2P
 from tests.harness import run_ranks
 

@@ -22,7 +22,8 @@ from megatron_domino.models import LanguageModel
 from megatron_domino.parallel import comm
 from megatron_domino.tensor_parallel import LayerContext
 from megatron_domino.parallel.random import seed_streams
-from megatron_domino.pipeline.schedules import build_schedule, virtual_stage
+from megatron_domino.pipeline.program import virtual_stage
+from megatron_domino.pipeline.schedules import build_schedule
 from megatron_domino.pipeline.simulate import Costs, simulate
 from megatron_domino.pipeline.stages import layer_partition
 from megatron_domino.planner.hardware import get_gpu

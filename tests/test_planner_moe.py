@@ -10,7 +10,7 @@ import pytest
 
 from megatron_domino.config import load_config, validate_config
 from megatron_domino.models import LanguageModel
-from megatron_domino.pipeline.schedules import virtual_stage
+from megatron_domino.pipeline.program import virtual_stage
 from megatron_domino.pipeline.stages import layer_partition
 from megatron_domino.planner.hardware import get_gpu
 from megatron_domino.planner.memory import chunk_activation_bytes, estimate_stages, rank_parameters

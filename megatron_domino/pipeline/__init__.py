@@ -1,3 +1,4 @@
 """Pipeline parallelism: stage partitioning, schedules as instruction lists, p2p and the executor."""
 from .partition import partition_layers, stage_layers
-from .schedules import Instruction, build_schedule
+from .program import Instruction
+from .schedules import build_schedule

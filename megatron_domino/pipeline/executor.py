@@ -4,10 +4,9 @@ The executor holds no scheduling logic: the order and the grouping of transfers 
 ``schedules.build_schedule``. It keeps at most the activations the schedule has in flight,
 releases each sent output's data (only its autograd graph stays; in a forward-only run the
 output is dropped), and tells the gradient synchroniser which backward is the last of the step
-so DP reductions overlap the cool-down. Where the schedule has a W for a micro-batch, its
-backward computes the input gradient only and the W the weight gradients (``split_backward``);
-the weight gradients, and so the gradient synchroniser's hook, come with the W. A failure
-names the step and the peers it waits for.
+so DP reductions overlap the cool-down. A B runs the whole backward; an I computes the input
+gradient only and its W the weight gradients (``split_backward``), so the weight gradients, and the
+gradient synchroniser's hook, come with the W. A failure names the step and the peers it waits for.
 """
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ import torch
 from torch.profiler import record_function
 
 from .p2p import ACTIVATION, GRADIENT, P2P, Arrival, Transfer
-from .schedules import Instruction, TransferGroup, virtual_stage
+from .program import BACKWARDS, Instruction, TransferGroup, virtual_stage
 from .split_backward import backward_input, backward_weight, run_backward
 
 
@@ -44,7 +43,7 @@ class PipelineExecutor:
     def __init__(self, chunks: list, stage: StageContext, p2p: P2P, *,
                  loss_fn: Callable, on_backward: Callable[[bool], None] | None = None):
         """``loss_fn(per_token_loss, batch) -> (loss_to_backprop, detached loss sum)`` on the last stage;
-        ``on_backward(is_last)`` is called before every backward, B and W, all of which may produce weight
+        ``on_backward(is_last)`` is called before every backward, B, I and W, all of which may produce weight
         gradients (B under Domino: ``split_backward``), with whether it is the last of its kind (the DP
         gradient sync's hook)."""
         self.chunks, self.stage, self.p2p = chunks, stage, p2p
@@ -61,8 +60,7 @@ class PipelineExecutor:
         """Execute ``schedule``; returns the detached loss sums of the micro-batches whose loss lives here."""
         self._inputs, self._outputs, self._grads_in, self._grads_out, losses = {}, {}, {}, {}, []
         self._weights = {}  # (chunk, micro-batch) -> what its W needs
-        split = {(s.chunk, s.microbatch) for s in schedule if s.op == "backward_weight"}
-        self._forward_only = not any(s.op == "backward" for s in schedule)
+        self._forward_only = not any(s.op in BACKWARDS for s in schedule)
         last = {}  # (op, chunk) -> its last micro-batch: the DP reduction's cue
         for s in schedule:
             if s.is_compute:
@@ -83,7 +81,7 @@ class PipelineExecutor:
                     continue
                 if key in self._grads_in:
                     self._grads_in[key] = self._arrived(self._grads_in[key])
-                self._backward(step, key in split, step.microbatch == last[(step.op, step.chunk)])
+                self._backward(step, step.microbatch == last[(step.op, step.chunk)])
         self.current = None
         self.p2p.drain()
         self._outputs.clear()
@@ -121,8 +119,8 @@ class PipelineExecutor:
                         (ACTIVATION if forward else GRADIENT, inst.microbatch, stage),
                         shape=s.activation_shape, dtype=s.dtype)
 
-    def _backward(self, step: Instruction, split: bool, is_last: bool) -> None:
-        """A whole backward, or B (input gradient) or W (weight gradients) of a split one."""
+    def _backward(self, step: Instruction, is_last: bool) -> None:
+        """B (the whole backward), or I (input gradient) or W (weight gradients) of a split one."""
         key = (step.chunk, step.microbatch)
         if self.on_backward is not None:
             self.on_backward(is_last)
@@ -130,7 +128,7 @@ class PipelineExecutor:
             backward_weight(self._weights.pop(key))
             return
         source = self._inputs.pop(key, None)
-        if split:
+        if step.op == "backward_input":
             grad, self._weights[key] = backward_input(self._outputs.pop(key), self._grads_in.pop(key, None), source)
         else:
             run_backward(self._outputs.pop(key), self._grads_in.pop(key, None))

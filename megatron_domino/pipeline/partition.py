@@ -9,7 +9,7 @@ from __future__ import annotations
 from itertools import accumulate
 
 from ..config.schema import PIPELINE_PARTITIONS
-from .schedules import virtual_stage
+from .program import virtual_stage
 
 
 

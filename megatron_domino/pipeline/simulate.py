@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
-from .schedules import Instruction, TransferGroup, transfers_of, virtual_stage
+from .program import BACKWARDS, Instruction, TransferGroup, max_in_flight, run_programs, transfers_of, virtual_stage
 
 Cost = Union[float, Sequence[float]]
 
@@ -29,21 +29,21 @@ class ScheduleError(ValueError):
 class Costs:
     """Time of each op. ``forward``/``backward`` are one number or one per virtual stage (uneven partitions).
 
-    ``backward`` is a whole backward; where a schedule splits it (ZB-H1), W takes ``weight`` (half of
-    ``backward`` unless given) and B the rest."""
+    ``backward`` is a whole backward (B); where a schedule splits it (ZB-H1), W takes ``weight`` (half of
+    ``backward`` unless given) and I the rest."""
 
     forward: Cost = 1.0
     backward: Cost = 2.0
     comm: float = 0.0  # from the moment both sides of a transfer are posted until it completes
     weight: Cost | None = None
 
-    def of(self, inst: Instruction, stage: int, split: bool = False) -> float:
+    def of(self, inst: Instruction, stage: int) -> float:
         if inst.op == "forward":
             return _at(self.forward, stage)
+        if inst.op == "backward":
+            return _at(self.backward, stage)
         weight = _at(self.weight, stage) if self.weight is not None else _at(self.backward, stage) / 2
-        if inst.op == "backward_weight":
-            return weight
-        return _at(self.backward, stage) - (weight if split else 0.0)
+        return weight if inst.op == "backward_weight" else _at(self.backward, stage) - weight
 
 
 def _at(cost: Cost, stage: int) -> float:
@@ -94,7 +94,8 @@ def _flatten(program: list) -> list[Instruction]:
 
 def check_structure(schedule: list[list], num_microbatches: int, virtual_pp: int = 1,
                     forward_only: bool = False) -> None:
-    """Each rank runs every (chunk, micro-batch) forward (then backward) exactly once, with transfers adjacent."""
+    """Each rank runs every (chunk, micro-batch)'s F exactly once and then either its B, or its I and then its W,
+    exactly once, with transfers adjacent."""
     pp = len(schedule)
     expected_units = {(c, mb) for c in range(virtual_pp) for mb in range(num_microbatches)}
     for rank, program in enumerate(schedule):
@@ -104,19 +105,23 @@ def check_structure(schedule: list[list], num_microbatches: int, virtual_pp: int
             if not (0 <= inst.chunk < virtual_pp and 0 <= inst.microbatch < num_microbatches):
                 raise ScheduleError(f"rank {rank}: {_name(inst, virtual_pp)} is outside chunk 0..{virtual_pp - 1} "
                                     f"or micro-batch 0..{num_microbatches - 1}")
-        for op in ("forward",) if forward_only else ("forward", "backward", "backward_weight"):
-            units = [(i.chunk, i.microbatch) for i in computes if i.op == op]
-            if op == "backward_weight" and not units:
-                continue  # the backward is not split
-            if len(units) != len(set(units)) or set(units) != expected_units:
-                missing = sorted(expected_units - set(units))
+        units_of = lambda ops: [(i.chunk, i.microbatch) for i in computes if i.op in ops]  # noqa: E731
+        checks = [("F", units_of(("forward",)), expected_units)]
+        if not forward_only:
+            split = units_of(("backward_input",))
+            checks += [("B or I", units_of(BACKWARDS), expected_units), ("W (after each I)",
+                                                                         units_of(("backward_weight",)), set(split))]
+        for what, units, expected in checks:
+            if len(units) != len(set(units)) or set(units) != expected:
+                missing = sorted(expected - set(units))
                 repeated = sorted({u for u in units if units.count(u) > 1})
-                raise ScheduleError(f"rank {rank}: every (chunk, micro-batch) must run {op} exactly once; "
+                raise ScheduleError(f"rank {rank}: every (chunk, micro-batch) must run {what} exactly once; "
                                     f"missing {missing}, repeated {repeated}")
         done = set()
         for inst in computes:
             unit = (inst.chunk, inst.microbatch)
-            before = {"backward": "forward", "backward_weight": "backward"}.get(inst.op)
+            before = {"backward": "forward", "backward_input": "forward", "backward_weight": "backward_input"}.get(
+                inst.op)
             if before and (before, unit) not in done:
                 raise ScheduleError(f"rank {rank}: {_name(inst, virtual_pp)} runs before its {before}")
             done.add((inst.op, unit))
@@ -126,7 +131,7 @@ def check_structure(schedule: list[list], num_microbatches: int, virtual_pp: int
 def _check_transfers(program: list, rank: int, pp: int, virtual_pp: int) -> None:
     """Every transfer a compute needs exists once: each receive is in a group before the compute that
     consumes it, each send in a group after the compute that produces it."""
-    stages, done, seen = pp * virtual_pp, set(), set()
+    stages, done, seen = pp * virtual_pp, set(), set()  # done: the computes run, an I counted as its B
     for index, step in enumerate(program):
         if step.is_compute:
             recvs, sends = transfers_of(step, virtual_stage(rank, step.chunk, pp), stages)
@@ -135,7 +140,7 @@ def _check_transfers(program: list, rank: int, pp: int, virtual_pp: int) -> None
                 raise ScheduleError(f"rank {rank}, step {index}: {_name(step, virtual_pp)} runs before its "
                                     f"receive {_name(missing[0], virtual_pp)}; each receive must be in a transfer "
                                     f"group before the compute that consumes it")
-            done.add(step)
+            done.add(Instruction("backward" if step.op in BACKWARDS else step.op, step.microbatch, step.chunk))
             continue
         for transfer in step.transfers:
             compute = Instruction("forward" if transfer.op.endswith("forward") else "backward", transfer.microbatch,
@@ -193,36 +198,6 @@ def _match_transfers(schedule: list[list], virtual_pp: int) -> dict:
     return counterpart
 
 
-def _split_units(program: list) -> set[tuple[int, int]]:
-    """(chunk, micro-batch) whose backward is split: B computes input gradients only and a W follows."""
-    return {(s.chunk, s.microbatch) for s in program if s.op == "backward_weight"}
-
-
-def max_in_flight(program: list) -> int:
-    """Most micro-batches holding activations: from the forward to the backward, or to the W where split."""
-    split, alive, peak = _split_units(program), 0, 0
-    for step in program:
-        ends = step.op == ("backward_weight" if (step.chunk, step.microbatch) in split else "backward") \
-            if step.is_compute else False
-        alive += 1 if step.op == "forward" else -1 if ends else 0
-        peak = max(peak, alive)
-    return peak
-
-
-def run_programs(programs: list[list], advance) -> list[int]:
-    """Step every rank through its program in order, in rounds until none can move: ``advance(rank, index,
-    step)`` does a step and returns True, or False while it waits for another rank. Returns how far each got."""
-    position = [0] * len(programs)
-    progress = True
-    while progress:
-        progress = False
-        for rank, program in enumerate(programs):
-            while position[rank] < len(program) and advance(rank, position[rank], program[position[rank]]):
-                position[rank] += 1
-                progress = True
-    return position
-
-
 def simulate(schedule: list[list], num_microbatches: int, virtual_pp: int = 1, costs: Costs = Costs(),
              forward_only: bool = False) -> SimulationResult:
     """Run ``schedule`` under NCCL's rules and return per-rank op times; raise ScheduleError if it cannot finish."""
@@ -231,7 +206,6 @@ def simulate(schedule: list[list], num_microbatches: int, virtual_pp: int = 1, c
     check_structure(schedule, num_microbatches, virtual_pp, forward_only)
     counterpart = _match_transfers(schedule, virtual_pp)
     pp = len(schedule)
-    split = [_split_units(program) for program in schedule]
     clock = [0.0] * pp
     posted_at: dict[tuple[int, int], float] = {}
     spans: list[list[Span]] = [[] for _ in range(pp)]
@@ -239,8 +213,7 @@ def simulate(schedule: list[list], num_microbatches: int, virtual_pp: int = 1, c
     def advance(rank: int, index: int, step) -> bool:
         if step.is_compute:
             start = clock[rank]
-            clock[rank] = start + costs.of(step, virtual_stage(rank, step.chunk, pp),
-                                           (step.chunk, step.microbatch) in split[rank])
+            clock[rank] = start + costs.of(step, virtual_stage(rank, step.chunk, pp))
             spans[rank].append(Span(step, start, clock[rank]))
             return True
         posted_at.setdefault((rank, index), clock[rank])

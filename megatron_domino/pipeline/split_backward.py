@@ -1,9 +1,9 @@
-"""A stage's backward in two passes over one autograd graph: B (input gradient) now, W (weight gradients) later.
+"""A stage's backward in two passes over one autograd graph: I (input gradient) now, W (weight gradients) later.
 
-Zero-bubble schedules send B's result to the previous stage at once and run W where the pipeline would idle.
-B runs the engine from the stage output to the stage input only. The graph's nodes then fall in two parts:
-those on a path to the input (B runs them) and the weight-only rest. A "split" node sits on an input path
-and also feeds the weight-only part (a linear's matmul, a norm, a bias add): B records the gradient that
+Zero-bubble schedules send I's result to the previous stage at once and run W where the pipeline would idle.
+I runs the engine from the stage output to the stage input only. The graph's nodes then fall in two parts:
+those on a path to the input (I runs them) and the weight-only rest. A "split" node sits on an input path
+and also feeds the weight-only part (a linear's matmul, a norm, a bias add): I records the gradient that
 reaches it, and W re-enters the graph there, asking the engine for the weights only, so no input-gradient
 work is done twice. The engine skips a built-in node's unneeded outputs itself; Python Functions holding
 weights read ``gradient_pass``. Split nodes that share weights (Domino's μ-chunks use the same matrices)
@@ -11,12 +11,12 @@ form one group and one engine call, so each weight's gradient accumulates once p
 hooks of the DP gradient buffers fire as in an unsplit backward.
 
 Domino: unsplit, a column-parallel linear's input-gradient all-reduce overlaps the linear's own weight
-gradient. In B the other μ-chunks' B hides it, except for the all-reduce waited for last, which B would
-wait for idle: so B computes that linear's weight gradient (its group, taken out of W) while this last
-all-reduce flies, then waits. B still returns, and the pipeline sends, the reduced gradient, held up by
+gradient. In I the other μ-chunks' I hides it, except for the all-reduce waited for last, which I would
+wait for idle: so I computes that linear's weight gradient (its group, taken out of W) while this last
+all-reduce flies, then waits. I still returns, and the pipeline sends, the reduced gradient, held up by
 one weight gradient at most (running a whole W before the send would hold it up by all of W).
 
-A stage without an input (the first) has nothing for B to send: its whole backward runs as W.
+A stage without an input (the first) has nothing for I to send: its whole backward runs as W.
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def _group(split: list, leaves: dict) -> list[list]:
 
 def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
                    stage_input: torch.Tensor | None) -> tuple[torch.Tensor | None, WeightGradients]:
-    """B: the gradient of ``stage_input`` (None without one), and what W needs to finish the backward."""
+    """I: the gradient of ``stage_input`` (None without one), and what W needs to finish the backward."""
     if grad is None:
         grad = torch.ones_like(output)
     if stage_input is None or output.grad_fn is None:

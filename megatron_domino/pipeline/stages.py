@@ -11,7 +11,7 @@ from ..models import LanguageModel, initialize_weights
 from ..models.counters import count_parameters
 from ..tensor_parallel import LayerContext
 from .partition import partition_layers, stage_layers
-from .schedules import virtual_stage
+from .program import virtual_stage
 
 
 def layer_partition(cfg) -> list[list[int]]:

@@ -1,8 +1,8 @@
 """The ZB-H1 schedule (Qi et al., "Zero Bubble Pipeline Parallelism", 2023): 1F1B with the backward split in two.
 
-B ("backward") computes the input gradient, which the previous stage waits for; W ("backward_weight")
-computes the weight gradients, which nobody waits for. Sending B's result before doing W lets a gradient
-cross the pipeline in the time of B alone, and held-back W's fill the cool-down where 1F1B idles.
+I ("backward_input") computes the input gradient, which the previous stage waits for; W ("backward_weight")
+computes the weight gradients, which nobody waits for. Sending I's result before doing W lets a gradient
+cross the pipeline in the time of I alone, and held-back W's fill the cool-down where 1F1B idles.
 
 Transfers: a send goes out right after the compute that produced it, as in 1F1B. A receive is posted at
 the last point of the receiver's program that comes, in the schedule's ideal timeline (F = B = W, only
@@ -15,17 +15,16 @@ from __future__ import annotations
 
 from collections import deque
 
-from .schedules import Instruction, TransferGroup, transfers_of
-from .simulate import run_programs
+from .program import Instruction, TransferGroup, run_programs, transfers_of
 
-_UNIT = {"forward": 1, "backward": 1, "backward_weight": 1}
+_UNIT = {"forward": 1, "backward_input": 1, "backward_weight": 1}
 
 
 def zb_h1_order(pp: int, rank: int, num_microbatches: int) -> list[Instruction]:
-    """Rank ``rank``'s computes: 1F1B's forwards and B's (warm-up of pp - rank - 1 forwards), W's kept
-    ``rank`` behind the B's, then drained. A micro-batch holds its activations from F to W, so rank r holds
+    """Rank ``rank``'s computes: 1F1B's forwards and I's (warm-up of pp - rank - 1 forwards), W's kept
+    ``rank`` behind the I's, then drained. A micro-batch holds its activations from F to W, so rank r holds
     at most (pp - r - 1) + 1 + r = pp of them: 1F1B's peak (rank 0's), as the paper's H1 requires. With
-    uniform costs and m >= pp each rank idles (pp - 1)(F + B - W) of a makespan m(F + B + W) + (pp - 1)(F + B - W).
+    uniform costs and m >= pp each rank idles (pp - 1)(F + I - W) of a makespan m(F + I + W) + (pp - 1)(F + I - W).
     """
     m = num_microbatches
     warmup = min(pp - rank - 1, m)
@@ -34,7 +33,7 @@ def zb_h1_order(pp: int, rank: int, num_microbatches: int) -> list[Instruction]:
     for k in range(m):
         if warmup + k < m:
             order.append(Instruction("forward", warmup + k))
-        order.append(Instruction("backward", k))
+        order.append(Instruction("backward_input", k))
         held.append(k)
         if len(held) > rank:
             order.append(Instruction("backward_weight", held.popleft()))
@@ -45,9 +44,9 @@ def _producer(inst: Instruction, rank: int, pp: int) -> tuple[int, str, int] | N
     """(rank, op, micro-batch) of the compute whose result ``inst`` needs before it can start."""
     if inst.op == "forward":
         return (rank - 1, "forward", inst.microbatch) if rank > 0 else None
-    if inst.op == "backward":
-        return (rank + 1, "backward", inst.microbatch) if rank < pp - 1 else (rank, "forward", inst.microbatch)
-    return rank, "backward", inst.microbatch
+    if inst.op == "backward_input":
+        return (rank + 1, "backward_input", inst.microbatch) if rank < pp - 1 else (rank, "forward", inst.microbatch)
+    return rank, "backward_input", inst.microbatch
 
 
 def _ideal_ends(orders: list[list[Instruction]], pp: int) -> dict[tuple[int, str, int], int]:

@@ -70,7 +70,8 @@ from functools import cache, wraps
 
 from ..config.schema import Config, ModelConfig
 from ..models.counters import norm_parameters
-from ..pipeline.schedules import interleaved_warmup, schedule_kind, virtual_stage
+from ..pipeline.program import virtual_stage
+from ..pipeline.schedules import interleaved_warmup, schedule_kind
 from ..pipeline.stages import layer_partition
 from .hardware import GPU
 from .moe import expert_replicas, layer_parameters, routed_activation_bytes, whole_experts

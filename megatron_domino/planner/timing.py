@@ -58,7 +58,7 @@ from itertools import product
 from ..config.schema import Config
 from ..models.counters import flops_per_token
 from ..parallel.topology import Topology
-from ..pipeline.schedules import virtual_stage
+from ..pipeline.program import virtual_stage
 from .hardware import GPU
 from .memory import per_model_layout, rank_parameter_split, stage_layers, weight_bytes
 from .moe import all_to_all_seconds, expert_replicas, expert_sharers

@@ -28,8 +28,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..config.loader import load_config
 from ..parallel import device
 from ..parallel.topology import Topology
+from ..pipeline.program import max_in_flight
 from ..pipeline.schedules import build_schedule, schedule_kind
-from ..pipeline.simulate import max_in_flight
 from ..planner.hardware import get_gpu
 from ..planner.memory import GIB, estimate_stages
 from ..training.checkpoint_dir import _KEY as RUN_DIRS_KEY

@@ -33,7 +33,7 @@ _PASS = {"input": True, "weight": True}
 @contextmanager
 def gradient_pass(inputs: bool, weights: bool):
     """Within: Python Functions holding weights compute input gradients only if ``inputs``, weight
-    gradients only if ``weights`` (``pipeline.split_backward`` runs B and W under it)."""
+    gradients only if ``weights`` (``pipeline.split_backward`` runs I and W under it)."""
     saved = dict(_PASS)
     _PASS.update(input=inputs, weight=weights)
     try:
