@@ -38,14 +38,30 @@ def full_weights(chunks, tp_group) -> dict[str, torch.Tensor]:
     return weights
 
 
-def assert_same_run(where, losses, weights, ref_losses, ref_weights, tol=TOL) -> None:
-    """Every step's loss and every weight (vocabulary padding cut) within ``tol`` relative of the reference."""
+def assert_same_run(where, losses, weights, ref_losses, ref_weights, tol=TOL) -> dict[str, tuple]:
+    """As many steps as the reference, every step's loss and every weight of this rank within ``tol`` relative
+    of the reference's; a weight may only have more (zero) vocabulary padding rows than the reference's. Returns
+    the weights compared, {name: shape}, for ``assert_covered``."""
+    assert len(losses) == len(ref_losses) > 0, (where, f"{len(losses)} steps, the reference ran {len(ref_losses)}")
     for step, (got, want) in enumerate(zip(losses, ref_losses)):
         assert abs(got - want) <= tol * abs(want), (where, step, got, want)
     for name, weight in weights.items():
-        expected = ref_weights[name][:weight.shape[0]]
+        expected = ref_weights[name]
+        if weight.shape != expected.shape:  # the layout's vocabulary padding: extra rows, never trained
+            assert weight.shape[1:] == expected.shape[1:] and weight.shape[0] > expected.shape[0], \
+                (where, name, tuple(weight.shape), tuple(expected.shape))
+            assert not weight[expected.shape[0]:].any(), (where, name, "vocabulary padding rows were trained")
+            weight = weight[:expected.shape[0]]
         err = ((weight - expected).abs().max() / expected.abs().max()).item()
         assert err <= tol, f"{where} {name}: {err:.2e}"
+    return {name: tuple(ref_weights[name].shape) for name in weights}
+
+
+def assert_covered(where, compared_per_rank: list[dict], ref_names) -> None:
+    """The ranks together compared every parameter of the reference (no stage or expert left unchecked)."""
+    seen = set().union(*compared_per_rank)
+    assert seen == set(ref_names), (where, "not compared:", sorted(set(ref_names) - seen)[:5],
+                                    "unknown:", sorted(seen - set(ref_names))[:5])
 
 
 def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, check_engine=None, norms=None):

@@ -17,7 +17,7 @@ from megatron_domino.data.loader import collate
 from megatron_domino.data.sample import make_sample
 from megatron_domino.models.ring_attention import split_for_context_parallel
 from tests.harness import run_ranks
-from tests.parity import assert_same_run, reference_steps, train_steps
+from tests.parity import assert_covered, assert_same_run, reference_steps, train_steps
 from tests.test_pipeline import GLOBAL_BATCH, GPT, LLAMA, MICRO_BATCH
 
 pytestmark = pytest.mark.slow  # multi-rank training runs: the whole suite, not -m quick
@@ -59,11 +59,20 @@ def _train(world_size, cfg, documents):
 
 
 def _check(rank, world_size, layouts):
+    """Per layout: (weights this rank compared, every reference weight)."""
+    compared = []
     for cfg, documents in layouts:
         ref_losses, ref_weights = _reference(cfg.model, documents)
         losses, weights = _train(world_size, cfg, documents)
         where = (cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp, cfg.parallel.dp, documents)
-        assert_same_run(where, losses, weights, ref_losses, ref_weights)
+        compared.append((assert_same_run(where, losses, weights, ref_losses, ref_weights), list(ref_weights)))
+    return compared
+
+
+def _check_all(world_size, layouts):
+    per_rank = run_ranks(_check, world_size, layouts, timeout=300)
+    for index, layout in enumerate(layouts):
+        assert_covered(layout, [rank[index][0] for rank in per_rank], per_rank[0][index][1])
 
 
 def _layout(model, *, cp, tp=1, pp=1, dp=1, virtual_pp=1, zero_stage=1, domino=False, sequence_parallel=False,
@@ -83,16 +92,16 @@ def _layout(model, *, cp, tp=1, pp=1, dp=1, virtual_pp=1, zero_stage=1, domino=F
 def test_cp2_and_cp4_train_like_one_process():
     """One spawn of 4 ranks: cp 4 (GPT; Llama with documents), cp 2 x dp 2 with ZeRO-2 and documents (GPT),
     cp 2 x pp 2 interleaved with full recompute (Llama), and cp 2 x dp 2 with a mixture of experts."""
-    run_ranks(_check, 4, [_layout(GPT, cp=4), _layout(LLAMA_16, cp=4, documents=True),
-                          _layout(GPT, cp=2, dp=2, zero_stage=2, documents=True),
-                          _layout(replace(LLAMA_16, recompute="full"), cp=2, pp=2, virtual_pp=2),
-                          _layout(MIXTURE, cp=2, dp=2, documents=True)], timeout=300)
+    _check_all(4, [_layout(GPT, cp=4), _layout(LLAMA_16, cp=4, documents=True),
+                   _layout(GPT, cp=2, dp=2, zero_stage=2, documents=True),
+                   _layout(replace(LLAMA_16, recompute="full"), cp=2, pp=2, virtual_pp=2),
+                   _layout(MIXTURE, cp=2, dp=2, documents=True)])
 
 
 def test_cp2_composes_with_domino_tp_and_pipeline():
     """One spawn of 8 ranks: tp 2 x cp 2 x pp 2 with Domino and documents (Llama, sequence parallel; GPT)."""
-    run_ranks(_check, 8, [_layout(LLAMA_16, cp=2, tp=2, pp=2, domino=True, sequence_parallel=True, documents=True),
-                          _layout(GPT, cp=2, tp=2, pp=2, domino=True, documents=True)], timeout=300)
+    _check_all(8, [_layout(LLAMA_16, cp=2, tp=2, pp=2, domino=True, sequence_parallel=True, documents=True),
+                   _layout(GPT, cp=2, tp=2, pp=2, domino=True, documents=True)])
 
 
 @pytest.mark.parametrize("override, key", [

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron_domino.config import ConfigError, validate_config
 from megatron_domino.config.loader import load_config
 from tests.harness import run_ranks
-from tests.parity import assert_same_run, layout_config, train_steps
+from tests.parity import assert_covered, assert_same_run, layout_config, train_steps
 from tests.test_moe import GPT_MOE, LLAMA_MOE, _reference
 from tests.test_pipeline import GLOBAL_BATCH, MICRO_BATCH
 from tests.test_zero_bubble import LR, OPT, _batches
@@ -52,7 +52,7 @@ class _ExchangeLog:
             size = dist.get_world_size(group)
             equal = [input.shape[0] // size] * size
             self.calls.append((tuple(dist.get_process_group_ranks(group)), list(input_split_sizes or equal),
-                               list(output_split_sizes or equal), input.device.type))
+                               list(output_split_sizes or equal)))
             return self._original(output, input, output_split_sizes, input_split_sizes, group=group, **kwargs)
         dist.all_to_all_single = recorded
         return self
@@ -65,23 +65,25 @@ class _ExchangeLog:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, self.calls)
         assert self.calls, "no token exchange happened"
-        for index, (members, send, _, device) in enumerate(self.calls):
-            assert device == "cpu"  # the test device: never a host copy of a device tensor
+        for index, (members, send, _) in enumerate(self.calls):
             me = members.index(rank)
             for j, peer in enumerate(members):
-                peer_members, _, peer_receive, _ = everyone[peer][index]
+                peer_members, _, peer_receive = everyone[peer][index]
                 assert peer_members == members and len(everyone[peer]) == len(self.calls)
                 assert peer_receive[me] == send[j], (index, rank, peer)
 
 
 def _run(world_size, layouts):
+    """Per layout: (weights this rank compared, every reference weight)."""
+    compared = []
     for cfg, routed_together in layouts:
         ref_norms, norms = [], []
         ref_losses, ref_weights = _reference(cfg.model, routed_together, _batches(cfg.model), ref_norms)
         losses, weights = train_steps(world_size, cfg, cfg.optimizer, _microbatches(cfg.model), LR, norms=norms)
         where = (cfg.parallel.ep, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.optimizer.zero_stage,
                  cfg.parallel.expert_tp)
-        assert_same_run(where, losses, weights, ref_losses, ref_weights)
+        compared.append((assert_same_run(where, losses, weights, ref_losses, ref_weights), list(ref_weights)))
+        assert len(norms) == len(ref_norms)
         for step, (got, want) in enumerate(zip(norms, ref_norms)):
             assert abs(got - want) <= 1e-5 * want, (where, step, got, want)
         held = {}  # layer -> the experts this rank holds
@@ -91,6 +93,12 @@ def _run(world_size, layouts):
                 held.setdefault(layer, set()).add(rest.split(".")[0])
         sharers = cfg.parallel.ep * (cfg.parallel.tp if cfg.parallel.expert_tp == 1 else 1)
         assert held and all(len(e) == cfg.model.num_experts // sharers for e in held.values()), (where, held)
+    return compared
+
+
+def _covered(layouts, per_rank) -> None:
+    for index, layout in enumerate(layouts):
+        assert_covered(layout[0].parallel, [rank[index][0] for rank in per_rank], per_rank[0][index][1])
 
 
 # (dp 4, ep 2): expert state sharded over 2 replicas; a rank's 2 experts (with biases) in one grouped GEMM
@@ -108,8 +116,9 @@ FOUR_RANKS = [(_config(replace(GPT_MOE, moe_grouped_gemm=True), ep=2, dp=4, zero
 
 def _check_four(rank, world_size):
     with _ExchangeLog() as log:
-        _run(world_size, FOUR_RANKS)
+        compared = _run(world_size, FOUR_RANKS)
     log.check_pairing(rank)
+    return compared
 
 
 def test_ep2_and_ep4_train_like_one_process():
@@ -117,7 +126,7 @@ def test_ep2_and_ep4_train_like_one_process():
     ep 2 with a shared expert and capacity drops (ZeRO-2), pp 2 × dp 2 × ep 2 under ZB-H1; the first with grouped GEMMs.
     6 SGD steps each, losses, weights and
     gradient norms within 1e-5; then every token exchange's pairing."""
-    run_ranks(_check_four, 4, timeout=300)
+    _covered(FOUR_RANKS, run_ranks(_check_four, 4, timeout=300))
 
 
 EIGHT_RANKS = [(_config(DROPLESS_LLAMA, ep=2, dp=2, tp=2, pp=2, domino=True, domino_split="column",
@@ -127,13 +136,13 @@ EIGHT_RANKS = [(_config(DROPLESS_LLAMA, ep=2, dp=2, tp=2, pp=2, domino=True, dom
 
 
 def _check_eight(rank, world_size):
-    _run(world_size, EIGHT_RANKS)
+    return _run(world_size, EIGHT_RANKS)
 
 
 def test_ep2_composes_with_domino_tp_and_pipeline():
     """8 ranks, tp 2 × pp 2 × dp 2 × ep 2 with Domino: Llama (column split, SP, sigmoid router, shared expert) and
     GPT (row split, each mu-chunk routed alone, full recompute)."""
-    run_ranks(_check_eight, 8, timeout=300)
+    _covered(EIGHT_RANKS, run_ranks(_check_eight, 8, timeout=300))
 
 
 @pytest.mark.parametrize("overrides, rule", [

@@ -16,7 +16,7 @@ from megatron_domino.models.moe import MoE
 from megatron_domino.models.router import route, within_capacity
 from megatron_domino.tensor_parallel import LayerContext
 from tests.harness import run_ranks
-from tests.parity import assert_same_run, layout_config, train_steps
+from tests.parity import assert_covered, assert_same_run, layout_config, train_steps
 from tests.test_pipeline import GLOBAL_BATCH, MICRO_BATCH
 from tests.test_zero_bubble import LR, OPT, _batches as zero_bubble_batches
 
@@ -201,11 +201,14 @@ LAYOUTS = [(_config(replace(GPT_MOE, recompute="full"), 2, 1, domino=True), 1),
 
 
 def _check(rank, world_size, checkpoint_dir):
+    compared = []
     for cfg, group_size in LAYOUTS:
         ref_losses, ref_weights = _reference(cfg.model, group_size)
         losses, weights = train_steps(world_size, cfg, OPT, _microbatches(cfg.model), LR)
-        assert_same_run((cfg.parallel.tp, cfg.parallel.pp), losses, weights, ref_losses, ref_weights)
+        compared.append((assert_same_run((cfg.parallel.tp, cfg.parallel.pp), losses, weights, ref_losses,
+                                         ref_weights), list(ref_weights)))
     _check_checkpoint_reshards(rank, checkpoint_dir)
+    return compared
 
 
 def _check_checkpoint_reshards(rank, step_dir):
@@ -236,7 +239,9 @@ def test_tp_domino_sequence_parallel_and_pipeline_train_like_one_process(tmp_pat
     """One spawn of 2 ranks: tp 2 with Domino's row split and full recompute; tp 2 with SP and the column
     split (sigmoid router, shared expert, capacity drops); pp 2 (1F1B, and ZB-H1's split backward). Auxiliary
     and z-losses on, 3 SGD steps. Then an MoE checkpoint saved at tp 2 loads at tp 1."""
-    run_ranks(_check, 2, str(tmp_path), timeout=300)
+    per_rank = run_ranks(_check, 2, str(tmp_path), timeout=300)
+    for index, (cfg, _) in enumerate(LAYOUTS):
+        assert_covered(cfg.parallel, [rank[index][0] for rank in per_rank], per_rank[0][index][1])
 
 
 # ---------------------------------------------------------------- the tiny Mixtral, end to end

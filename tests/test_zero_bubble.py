@@ -11,7 +11,7 @@ from megatron_domino.config.schema import OptimizerConfig
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.pipeline.strict_transport import StrictP2P
 from tests.harness import run_ranks
-from tests.parity import assert_same_run, reference_steps, train_steps
+from tests.parity import assert_covered, assert_same_run, reference_steps, train_steps
 from tests.test_pipeline import GLOBAL_BATCH, GPT, LLAMA, MICRO_BATCH, _config
 
 pytestmark = pytest.mark.slow  # multi-rank training runs: the whole suite, not -m quick
@@ -47,10 +47,13 @@ def _train(world_size, cfg):
 
 
 def _check(rank, world_size, layouts):
+    compared = []
     for model, cfg in layouts:
         ref_losses, ref_weights = _reference(model)
         losses, weights = _train(world_size, cfg)
-        assert_same_run((cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp), losses, weights, ref_losses, ref_weights)
+        compared.append((assert_same_run((cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp), losses, weights,
+                                         ref_losses, ref_weights), list(ref_weights)))
+    return compared
 
 
 def _zb(model, tp, pp, dp):
@@ -61,7 +64,10 @@ def _zb(model, tp, pp, dp):
 
 def test_zb_h1_trains_like_one_process():
     """One spawn of 4 ranks: pp 4; tp 2 x pp 2 (Llama); pp 2 x dp 2 with ZeRO-1. Domino on in all."""
-    run_ranks(_check, 4, [_zb(GPT, 1, 4, 1), _zb(LLAMA, 2, 2, 1), _zb(GPT, 1, 2, 2)], timeout=300)
+    layouts = [_zb(GPT, 1, 4, 1), _zb(LLAMA, 2, 2, 1), _zb(GPT, 1, 2, 2)]
+    per_rank = run_ranks(_check, 4, layouts, timeout=300)
+    for index, (_, cfg) in enumerate(layouts):
+        assert_covered(cfg.parallel, [rank[index][0] for rank in per_rank], per_rank[0][index][1])
 
 
 def _b_then_w_events(rank, world_size):
