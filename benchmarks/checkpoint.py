@@ -92,7 +92,7 @@ def _new_variants(trainer, checkpoint_module):
     """'new sync' through the trainer's own Checkpointer, 'new async' through one with async_save on."""
     cfg = trainer.cfg
     background = checkpoint_module.Checkpointer(
-        replace(cfg, checkpoint=replace(cfg.checkpoint, async_save=True)), trainer.state, trainer.run_id)
+        replace(cfg, checkpoint=replace(cfg.checkpoint, async_save=True)), trainer.state, trainer.rng, trainer.run_id)
     variants = {}
     for name, checkpointer in (("new sync", trainer.checkpointer), ("new async", background)):
         save = lambda root, c=checkpointer: c.save(  # noqa: E731

@@ -96,26 +96,14 @@ def launch(script: str, nproc: int, flags: list[str], rate: str | None = None, n
         raise SystemExit(f"benchmark job failed with status {result.returncode}: {shlex.join(command)}")
 
 
-# ----- several Trainers in one process group ------------------------------------------------------
+# ----- Trainers, quietly --------------------------------------------------------------------------
 def build_trainer(cfg, quiet: bool = True):
-    """A Trainer whose process groups survive the construction of the next one.
-
-    ``Trainer.__init__`` makes its ParallelState the process-wide current one, and initialising the next
-    Trainer destroys the current one's groups. The model code gets its groups passed explicitly, so a
-    detached state keeps working.
-    """
-    from megatron_domino.parallel import state as parallel_state
+    """A Trainer without its rank-map printout. Each Trainer owns its ParallelState (the library keeps no
+    current one), so a harness may hold one per mode in one process group; ``trainer.close()`` frees its groups."""
     from megatron_domino.training.trainer import Trainer
     quieted = contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext()
-    with quieted:  # each Trainer prints the rank map again
-        trainer = Trainer(cfg)
-    parallel_state.detach()
-    return trainer
-
-
-def close_trainer(trainer) -> None:
-    trainer.close()  # its state is detached, so close() leaves the groups alone
-    trainer.state.destroy()
+    with quieted:
+        return Trainer(cfg)
 
 
 # ----- output -------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import statistics
 import time
 
 from common import (MODEL_FLAGS, add_model_args, run_harness,
-                    NETEM, RESULTS, build_trainer, close_trainer, format_table,
+                    NETEM, RESULTS, build_trainer, format_table,
                     forward_flags, launch, load_benchmark_config, model_overrides, read_json, write_json,
                     tp_communication_skipped)
 
@@ -120,7 +120,7 @@ def worker(args) -> None:
     if args.trace:
         exposed = traced_step(trainers[args.trace_mode], args.trace_mode, args.trace)
     for trainer in trainers.values():
-        close_trainer(trainer)
+        trainer.close()
     if dist.get_rank() == 0:
         result = summarize(args, times, first_loss, tp, pp, dp, m)
         result["trace"] = {"file": args.trace, "mode": args.trace_mode, "ranks": exposed} if exposed else None

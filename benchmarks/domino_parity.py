@@ -66,11 +66,9 @@ def main() -> None:
     import torch.distributed as dist
     from megatron_domino.config import ModelConfig
     from megatron_domino.domino.plan import COMPARED_PLANS
-    from megatron_domino.parallel.random import seed_streams
     args = parse_args()
     device, backend = setup(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    seed_streams(1, rank, 0, device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                       seq_length=args.seq, vocab_size=args.vocab, attention_dropout=0.0, hidden_dropout=0.0)

@@ -22,7 +22,7 @@ import os
 import resource
 
 from common import (MODEL_FLAGS, add_model_args, run_harness,
-                    RESULTS, build_trainer, close_trainer, format_table, forward_flags,
+                    RESULTS, build_trainer, format_table, forward_flags,
                     launch, load_benchmark_config, model_overrides, read_json, write_json)
 
 MIB = 2**20
@@ -127,7 +127,7 @@ def worker(args) -> None:
             "baseline_rss_bytes": baseline}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
-    close_trainer(trainer)
+    trainer.close()
     if dist.get_rank() == 0:
         plan = estimate_stages(cfg, world, get_gpu("cpu"))[0]
         planner = {"params_bytes": plan.params, "grads_bytes": plan.grads, "optimizer_bytes": plan.optimizer,

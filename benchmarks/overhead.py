@@ -17,7 +17,7 @@ import os
 import statistics
 import time
 
-from common import RESULTS, add_model_args, build_trainer, close_trainer, format_table, load_benchmark_config, \
+from common import RESULTS, add_model_args, build_trainer, format_table, load_benchmark_config, \
     model_overrides, write_json
 
 PHASES = ("data", "forward-backward", "optimizer")
@@ -95,7 +95,7 @@ def main() -> None:
             losses[name].append(loss)
             if round_index >= args.warmup:
                 samples[name].append({"total": total, "cpu": cpu, **phases})
-    close_trainer(trainer)
+    trainer.close()
     result = summarize(args, samples, losses)
     print(report(result))
     print(f"results: {write_json(args.json, result)}")

@@ -34,7 +34,7 @@ import time
 from collections import defaultdict
 
 from common import (MODEL_FLAGS, add_model_args, run_harness,
-                    RESULTS, build_trainer, close_trainer, format_table, forward_flags,
+                    RESULTS, build_trainer, format_table, forward_flags,
                     launch, load_benchmark_config, model_overrides, read_json, write_json)
 
 SCHEDULES = {"1f1b": 1, "interleaved": 2, "zb-h1": 1}  # name (parallel.pipeline_schedule) -> virtual_pp
@@ -127,7 +127,7 @@ def measure(args, schedule: str, m: int) -> list[list[tuple]] | None:
             trainer.train_step()
             if step >= args.warmup:
                 steps.append(list(ops))
-    close_trainer(trainer)
+    trainer.close()
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, steps)
     return everyone if dist.get_rank() == 0 else None

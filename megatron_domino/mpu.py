@@ -1,15 +1,35 @@
-"""Megatron's ``mpu`` function names over the current ``ParallelState``.
+"""Megatron's ``mpu`` function names over a current ``ParallelState``.
 
 Code written for Megatron-LM, and DeepSpeed (which accepts an ``mpu`` object), works against
-this module unchanged: ``deepspeed.initialize(..., mpu=megatron_domino.mpu)``.
+this module unchanged: ``deepspeed.initialize(..., mpu=megatron_domino.mpu)``. Megatron's API is
+process-wide by definition, so this module holds the library's only current state: set it with
+``initialize_model_parallel`` or point it at a running trainer's with ``use(trainer.state)``.
 """
 from __future__ import annotations
 
-from .parallel import state as _state
+from .parallel.state import ParallelState
+
+
+_current: ParallelState | None = None
+_owned = False  # made by initialize_model_parallel, so destroy_model_parallel destroys its groups
+
+
+def _get() -> ParallelState:
+    if _current is None:
+        raise RuntimeError("mpu: no parallel state: call mpu.initialize_model_parallel(...) or "
+                           "mpu.use(trainer.state) first")
+    return _current
+
+
+def use(state: ParallelState | None) -> ParallelState | None:
+    """Make ``state`` the one these functions answer for (None: none); its owner keeps its groups."""
+    global _current, _owned
+    _current, _owned = state, False
+    return state
 
 
 def model_parallel_is_initialized() -> bool:
-    return _state.is_initialized()
+    return _current is not None
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
@@ -21,67 +41,74 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     from .parallel import Topology
     topology = Topology(dist.get_world_size(), tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size,
                         virtual_pp=virtual_pipeline_model_parallel_size or 1, order=order, cp=context_parallel_size)
-    return _state.initialize(topology, print_rank_map=False)
+    global _owned
+    destroy_model_parallel()
+    state = use(ParallelState(topology))
+    _owned = True
+    return state
 
 
 def destroy_model_parallel() -> None:
-    _state.destroy()
+    """Forget the current state, destroying its groups if ``initialize_model_parallel`` made them."""
+    if _current is not None and _owned:
+        _current.destroy()
+    use(None)
 
 
 def get_tensor_model_parallel_group():
-    return _state.get().tp_group
+    return _get().tp_group
 
 
 def get_tensor_model_parallel_rank() -> int:
-    return _state.get().tp_rank
+    return _get().tp_rank
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    return _state.get().tp_size
+    return _get().tp_size
 
 
 def get_tensor_model_parallel_src_rank() -> int:
     """Global rank of TP rank 0 in this rank's TP group."""
-    return _state.get().tp_ranks[0]
+    return _get().tp_ranks[0]
 
 
 def get_pipeline_model_parallel_group():
-    return _state.get().pp_group
+    return _get().pp_group
 
 
 def get_pipeline_model_parallel_rank() -> int:
-    return _state.get().pp_rank
+    return _get().pp_rank
 
 
 def get_pipeline_model_parallel_world_size() -> int:
-    return _state.get().pp_size
+    return _get().pp_size
 
 
 def get_pipeline_model_parallel_first_rank() -> int:
-    return _state.get().pp_ranks[0]
+    return _get().pp_ranks[0]
 
 
 def get_pipeline_model_parallel_last_rank() -> int:
-    return _state.get().pp_ranks[-1]
+    return _get().pp_ranks[-1]
 
 
 def get_pipeline_model_parallel_next_rank() -> int:
-    return _state.get().next_pp_rank
+    return _get().next_pp_rank
 
 
 def get_pipeline_model_parallel_prev_rank() -> int:
-    return _state.get().prev_pp_rank
+    return _get().prev_pp_rank
 
 
 def get_virtual_pipeline_model_parallel_world_size() -> int | None:
-    virtual = _state.get().virtual_pp
+    virtual = _get().virtual_pp
     return virtual if virtual > 1 else None
 
 
 def _stage_question(ignore_virtual: bool, name: str):
     """Megatron answers ``ignore_virtual=False`` from a process-wide current virtual stage, which this library
     does not keep: with interleaving that question has no answer here, so it is refused rather than guessed."""
-    state = _state.get()
+    state = _get()
     if not ignore_virtual and state.virtual_pp > 1:
         raise NotImplementedError(f"mpu.{name}(ignore_virtual=False) with virtual_pp = {state.virtual_pp}: "
                                   f"megatron_domino keeps no current virtual stage. Fix: pass ignore_virtual=True "
@@ -99,69 +126,69 @@ def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
 
 
 def get_data_parallel_group(with_context_parallel: bool = False):
-    state = _state.get()
+    state = _get()
     return state.dp_cp_group if with_context_parallel else state.dp_group
 
 
 def get_expert_model_parallel_group():
-    return _state.get().ep_group
+    return _get().ep_group
 
 
 def get_expert_model_parallel_rank() -> int:
-    return _state.get().ep_rank
+    return _get().ep_rank
 
 
 def get_expert_model_parallel_world_size() -> int:
-    return _state.get().ep_size
+    return _get().ep_size
 
 
 def get_expert_data_parallel_group():
-    return _state.get().expert_dp_group
+    return _get().expert_dp_group
 
 
 def get_data_parallel_rank() -> int:
-    return _state.get().dp_rank
+    return _get().dp_rank
 
 
 def get_data_parallel_world_size() -> int:
-    return _state.get().dp_size
+    return _get().dp_size
 
 
 def get_data_parallel_src_rank() -> int:
-    return _state.get().dp_ranks[0]
+    return _get().dp_ranks[0]
 
 
 def get_context_parallel_group():
-    return _state.get().cp_group
+    return _get().cp_group
 
 
 def get_context_parallel_rank() -> int:
-    return _state.get().cp_rank
+    return _get().cp_rank
 
 
 def get_context_parallel_world_size() -> int:
-    return _state.get().cp_size
+    return _get().cp_size
 
 
 def get_model_parallel_group():
-    return _state.get().mp_group
+    return _get().mp_group
 
 
 def get_model_parallel_rank() -> int:
     """Rank inside the TP x PP group (DeepSpeed asks for this one)."""
-    state = _state.get()
+    state = _get()
     return state.mp_ranks.index(state.rank)
 
 
 def get_model_parallel_world_size() -> int:
-    state = _state.get()
+    state = _get()
     return state.tp_size * state.pp_size
 
 
 def get_embedding_group():
-    return _state.get().embedding_group
+    return _get().embedding_group
 
 
 def is_rank_in_embedding_group() -> bool:
-    state = _state.get()
+    state = _get()
     return state.rank in state.embedding_ranks

@@ -1,17 +1,16 @@
-"""Every test runs under NCCL's rules: the strict pipeline transport (rendezvous sends, untagged order) and the
-collective device checks are on for every rank the tests start, in-process or through torchrun
-(see megatron_domino/parallel/strict.py).
+"""Every test runs under NCCL's rules: the collective device checks are installed in this process and in every
+rank ``tests/harness.py`` starts, and the strict pipeline transport (rendezvous sends, untagged order) is on in
+every layout the tests build (``strict=True`` states in ``tests/parity.py``, ``parallel.strict_transport=true``
+in ``tests/training_runs.COMMON``); see megatron_domino/parallel/strict.py.
 
 The quick tier: every test not marked ``slow`` is also marked ``quick``, so ``pytest -m quick`` (or
 ``bash scripts/test.sh -m quick``) runs a few minutes of the suite that still touches every package; the
 whole suite stays what CI runs."""
-import os
-
 import pytest
 
-from megatron_domino.parallel.strict import ENV_SWITCH
+from megatron_domino.parallel.strict import install_collective_checks
 
-os.environ[ENV_SWITCH] = "1"
+install_collective_checks()
 
 
 def pytest_collection_modifyitems(config, items):

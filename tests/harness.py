@@ -35,6 +35,8 @@ def _rank_main(fn, rank, world_size, port, results, args, env):
         import torch.distributed as dist
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        from megatron_domino.parallel.strict import install_collective_checks
+        install_collective_checks()  # NCCL's device rules at every collective (tests/conftest.py)
         value = fn(rank, world_size, *args)
         results.put((rank, "ok", value))
         dist.destroy_process_group()

@@ -6,7 +6,7 @@ from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.models.full_state import gather_full
 from megatron_domino.models.language_model import WORD_EMBEDDINGS
 from megatron_domino.optim.distributed_optimizer import DistributedOptimizer
-from megatron_domino.parallel import Topology, state as parallel_state
+from megatron_domino.parallel import ParallelState, Topology
 from megatron_domino.pipeline.engine import PipelineEngine
 from megatron_domino.pipeline.finalize_grads import finalize_grads
 from megatron_domino.pipeline.stages import build_stage_chunks
@@ -69,7 +69,7 @@ def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, ch
     runs them: ``steps_of_microbatches(state)`` yields this rank's micro-batches per step. Returns the losses and
     the full weights (and appends each step's gradient norm to ``norms``); the layout's groups are destroyed
     afterwards."""
-    ps = parallel_state.initialize(Topology.from_config(cfg.parallel, world_size), print_rank_map=False)
+    ps = ParallelState(Topology.from_config(cfg.parallel, world_size), strict=True)
     chunks = build_stage_chunks(cfg, ps, init_seed=3)
     optimizer = DistributedOptimizer(chunks, optimizer_config, dp_group=ps.dp_cp_group, tp_rank=ps.tp_rank,
                                      norm_groups=[ps.tp_group, ps.pp_group], bucket_alone=(WORD_EMBEDDINGS,),
@@ -88,7 +88,7 @@ def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, ch
         if norms is not None:
             norms.append(norm.item())
     weights = full_weights(chunks, ps.tp_group)
-    parallel_state.destroy()
+    ps.destroy()
     return losses, weights
 
 

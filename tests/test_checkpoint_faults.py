@@ -21,10 +21,11 @@ from megatron_domino.config import load_config
 from megatron_domino.config.errors import CheckpointError, LaunchError
 from megatron_domino.models.language_model import LanguageModel
 from megatron_domino.parallel.launch import device_for
-from megatron_domino.training import cli
+from megatron_domino.parallel.random import RNGTracker
+from megatron_domino.parallel.store_barrier import StoreBarriers
 from megatron_domino.training.checkpoint import Checkpointer
 from megatron_domino.training.checkpoint_dir import LOCK, prepare_run_dirs
-from tests.test_runtime_faults import raised
+from tests.test_runtime_faults import report
 from tests.training_runs import REPO, TINY, command, environment, kill_group, metrics, start, train, wait_for_step
 
 STEP2, STEP3 = fmt.step_dir_name(2), fmt.step_dir_name(3)
@@ -155,7 +156,7 @@ def test_a_disk_too_small_for_one_checkpoint_warns_or_fails(tmp_path):
         cfg = load_config(os.path.join(REPO, TINY["gpt"]), [f"checkpoint.dir={target}", f"log.dir={tmp_path}/log"])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _, lock = prepare_run_dirs(cfg, rank=0)  # checkpoint.free_space=warn, the default
+            _, lock = prepare_run_dirs(cfg, rank=0, key="test/run dirs")  # checkpoint.free_space=warn, the default
         lock.release()
         assert any("less than one checkpoint" in str(w.message) for w in caught)
         assert os.listdir(target) == []  # probe and lock cleaned up
@@ -225,10 +226,11 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_intact_steps(ro
     with torch.no_grad():
         for param in model.parameters():
             param.fill_(0.25)
-    state = SimpleNamespace(tp_rank=0, tp_size=1, cp_size=1, pp_size=1, dp_size=1, virtual_pp=1, rank=0)
+    state = SimpleNamespace(tp_rank=0, tp_size=1, cp_size=1, pp_size=1, dp_size=1, virtual_pp=1, rank=0,
+                            barriers=StoreBarriers("test"))
     with pytest.raises(CheckpointError) as raised_error:
-        Checkpointer(cfg, state).load(fmt.resolve_load_path("auto", root), chunks=[model], optimizer=None,
-                                      lr_schedule=None)
+        Checkpointer(cfg, state, RNGTracker()).load(fmt.resolve_load_path("auto", root), chunks=[model],
+                                                    optimizer=None, lr_schedule=None)
     message = str(raised_error.value)
     assert words in message, message
     newest = STEP3 if "latest" in case else STEP2  # a damaged latest leaves step 3 itself intact
@@ -251,7 +253,7 @@ def test_a_launch_error_is_one_block(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # backend nccl on a node without GPUs
     with pytest.raises(LaunchError) as error:
         device_for("nccl")
-    assert cli._report_failure(raised(error.value), str(tmp_path)) == 1
+    assert report(error.value, tmp_path) == 1
     err = capsys.readouterr().err
     assert err.startswith("[rank 0] LaunchError: parallel.backend = nccl but this process sees no CUDA device")
     assert "\n  Fix: request GPUs for every task" in err and "Traceback" not in err

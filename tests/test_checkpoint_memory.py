@@ -55,7 +55,7 @@ def _saves(rank, world_size, run_dir):
     trainer.step = 1
     stage_params = sum(p.numel() for chunk in trainer.chunks for p in chunk.parameters()) * 2  # x tp
     background = Checkpointer(replace(cfg, checkpoint=replace(cfg.checkpoint, async_save=True)), trainer.state,
-                              trainer.run_id)
+                              trainer.rng, trainer.run_id)
     sync_peak = _peak_during(trainer.save)
     trainer.step = 2
 

@@ -26,6 +26,8 @@ from megatron_domino.convert import native_io
 from megatron_domino.convert.native_io import NativeTensors
 from megatron_domino.models import LanguageModel, full_state_dict
 from megatron_domino.models.init import initialize_weights
+from megatron_domino.parallel.random import RNGTracker
+from megatron_domino.parallel.store_barrier import StoreBarriers
 from megatron_domino.training.checkpoint import Checkpointer
 
 transformers = pytest.importorskip("transformers")
@@ -110,8 +112,9 @@ def _native_tensors(root):
 
 def _load_into(model, path, cfg):
     """Load ``path`` into a tp=1 single-stage ``model`` with the training loader itself; returns the metadata."""
-    state = SimpleNamespace(tp_rank=0, tp_size=1, cp_size=1, pp_size=1, dp_size=1, virtual_pp=1, rank=0)
-    return Checkpointer(cfg, state).load(path, chunks=[model], optimizer=None, lr_schedule=None)
+    state = SimpleNamespace(tp_rank=0, tp_size=1, cp_size=1, pp_size=1, dp_size=1, virtual_pp=1, rank=0,
+                            barriers=StoreBarriers("test"))
+    return Checkpointer(cfg, state, RNGTracker()).load(path, chunks=[model], optimizer=None, lr_schedule=None)
 
 
 def _load_native(root, model_cfg):

@@ -7,15 +7,16 @@ from megatron_domino.config import ModelConfig
 from megatron_domino.data.loader import pad_offsets
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.parallel import launch
-from megatron_domino.parallel.random import capture_rng_state, get_tracker, restore_rng_state, seed_streams
+from megatron_domino.parallel.random import RNGTracker
+from megatron_domino.tensor_parallel import LayerContext
 
 CFG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=16,
                   vocab_size=100, make_vocab_size_divisible_by=4)
 
 
 def _masks(tp_rank, pp_rank=0):
-    seed_streams(42, tp_rank=tp_rank, pp_rank=pp_rank)
-    with get_tracker().fork():
+    rng = RNGTracker.seeded(42, tp_rank=tp_rank, pp_rank=pp_rank)
+    with rng.fork():
         tp_mask = torch.rand(64) > 0.5
     return tp_mask, torch.rand(64) > 0.5  # the second is drawn from the default stream
 
@@ -32,22 +33,22 @@ def test_tp_stream_differs_per_tp_rank_and_default_stream_does_not():
 
 
 def test_rng_state_round_trip_replays_both_streams():
-    seed_streams(7, tp_rank=1)
-    saved = capture_rng_state()
-    with get_tracker().fork():
+    rng = RNGTracker.seeded(7, tp_rank=1)
+    saved = rng.capture()
+    with rng.fork():
         first_tp = torch.rand(8)
     first_default = torch.rand(8)
-    restore_rng_state(saved)
-    with get_tracker().fork():
+    rng.restore(saved)
+    with rng.fork():
         assert torch.equal(torch.rand(8), first_tp)
     assert torch.equal(torch.rand(8), first_default)
 
 
 def _grads_with_recompute(mode):
     cfg = ModelConfig(**{**CFG.__dict__, "attention_dropout": 0.2, "hidden_dropout": 0.2, "recompute": mode})
-    model = LanguageModel(cfg)
+    rng = RNGTracker.seeded(11)  # attention dropout draws from its TP stream, which recompute must replay too
+    model = LanguageModel(cfg, LayerContext(rng=rng))
     initialize_weights(model, seed=3)
-    seed_streams(11)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(0))
     loss = model(None, {"tokens": tokens, "labels": tokens.roll(-1, 1)}).mean()
     loss.backward()

@@ -6,9 +6,10 @@ import torch
 from megatron_domino.config import Config, ModelConfig
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.models.full_state import gather_full
-from megatron_domino.parallel import Topology, state as parallel_state
+from megatron_domino.parallel import ParallelState, Topology
 from megatron_domino.pipeline.engine import PipelineEngine
 from megatron_domino.pipeline.finalize_grads import finalize_grads
+from megatron_domino.pipeline.p2p import P2P
 from megatron_domino.pipeline.stages import build_stage_chunks
 from megatron_domino.pipeline.strict_transport import StrictP2P
 from tests.harness import run_ranks
@@ -53,7 +54,7 @@ def _reference(model):
 
 def _run_layout(rank, world_size, cfg):
     par = cfg.parallel
-    ps = parallel_state.initialize(Topology(world_size, par.tp, par.pp, par.dp, par.virtual_pp), print_rank_map=False)
+    ps = ParallelState(Topology(world_size, par.tp, par.pp, par.dp, par.virtual_pp), strict=True)
     chunks = build_stage_chunks(cfg, ps, init_seed=3)
     tokens, labels, mask = _global_batch(cfg.model)
     per_rank = GLOBAL_BATCH // ps.dp_size
@@ -62,8 +63,15 @@ def _run_layout(rank, world_size, cfg):
              zip(tokens[rows].split(MICRO_BATCH), labels[rows].split(MICRO_BATCH), mask[rows].split(MICRO_BATCH))]
     engine = PipelineEngine(chunks, ps, cfg, device=torch.device("cpu"), dtype=torch.float32,
                             num_microbatches=len(micro))
-    assert isinstance(engine.executor.p2p, StrictP2P)  # NCCL's rules (tests/conftest.py)
+    assert isinstance(engine.executor.p2p, StrictP2P)  # NCCL's rules: the strict state
     eval_loss = engine.evaluate(micro)  # the forward-only schedule, transfers grouped the same way
+    # A second state alive beside the first (no process-wide current one): its own groups, barriers and transport.
+    plain = ParallelState(ps.topology)
+    plain_engine = PipelineEngine(chunks, plain, cfg, device=torch.device("cpu"), dtype=torch.float32,
+                                  num_microbatches=len(micro))
+    assert type(plain_engine.executor.p2p) is P2P and plain.barriers.key("x") != ps.barriers.key("x")
+    assert plain_engine.evaluate(micro).item() == eval_loss.item()
+    plain.destroy()  # the first state's groups stay usable
     loss = engine.forward_backward(micro)
     finalize_grads(chunks, ps)
     grads = {}
@@ -71,7 +79,7 @@ def _run_layout(rank, world_size, cfg):
         table = chunk.sharding()
         for name, p in chunk.named_global_parameters():
             grads[name] = gather_full(p.grad, table[name], ps.tp_group)
-    parallel_state.destroy()
+    ps.destroy()
     return loss, eval_loss, grads
 
 

@@ -21,7 +21,7 @@ from megatron_domino.domino.plan import DominoPlan
 from megatron_domino.models import LanguageModel
 from megatron_domino.parallel import comm
 from megatron_domino.tensor_parallel import LayerContext
-from megatron_domino.parallel.random import seed_streams
+from megatron_domino.parallel.random import RNGTracker
 from megatron_domino.pipeline.program import virtual_stage
 from megatron_domino.pipeline.schedules import build_schedule
 from megatron_domino.pipeline.simulate import Costs, simulate
@@ -48,8 +48,9 @@ def _batch(cfg):
 
 def _build(cfg, group=None, **kwargs):
     dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
-    torch.manual_seed(0)
-    model = LanguageModel(cfg.model, LayerContext(group, cfg.parallel.sequence_parallel, dtype=dtype), **kwargs)
+    rng = RNGTracker.seeded(0)
+    model = LanguageModel(cfg.model, LayerContext(group, cfg.parallel.sequence_parallel, dtype=dtype, rng=rng),
+                          **kwargs)
     for param in model.parameters():
         param.data.normal_(0.0, 0.02)
     return model.train()
@@ -120,7 +121,6 @@ def test_activation_estimate_matches_saved_tensors(path, overrides):
 ])
 def test_activation_estimate_of_one_tensor_parallel_rank(fake_tp, path, tp, overrides):
     cfg = _tiny(path, f"parallel.tp={tp}", *overrides)
-    seed_streams(1)
     model = _build(cfg, fake_tp(tp), plan=DominoPlan.from_config(cfg.parallel))
     measured = _saved_bytes(model, _batch(cfg))
     tokens = cfg.train.micro_batch_size * cfg.model.seq_length

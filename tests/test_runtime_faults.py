@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from megatron_domino.config import Config
 from megatron_domino.config.errors import DataError
 from megatron_domino.data import IndexedDatasetBuilder
 from megatron_domino.training import cli
@@ -94,12 +95,19 @@ def raised(error: BaseException) -> BaseException:
         return caught
 
 
+def report(error: BaseException, log_dir) -> int:
+    """The command line's failure report of ``error`` (raised) for a default run logging to ``log_dir``."""
+    cfg = Config()
+    cfg.log.dir = str(log_dir)
+    return cli._report_failure(raised(error), cfg)
+
+
 def test_a_known_error_is_a_block_and_a_bug_keeps_its_traceback(tmp_path, capsys):
-    assert cli._report_failure(raised(DataError("x.bin is damaged. Fix: re-run it")), str(tmp_path)) == 1
+    assert report(DataError("x.bin is damaged. Fix: re-run it"), tmp_path) == 1
     err = capsys.readouterr().err
     assert err.startswith("[rank 0] DataError: x.bin is damaged.\n  Fix: re-run it\n") and "Traceback" not in err
     assert "Traceback" in (tmp_path / "error-rank0.log").read_text()
-    assert cli._report_failure(raised(ValueError("a bug")), str(tmp_path)) == 1
+    assert report(ValueError("a bug"), tmp_path) == 1
     err = capsys.readouterr().err
     assert "[rank 0] Traceback" in err and "[rank 0] ValueError: a bug" in err
 
@@ -109,7 +117,7 @@ def test_the_reporter_never_fails_itself(tmp_path, capsys):
         def __str__(self):
             raise TypeError("no text")
 
-    assert cli._report_failure(raised(Unprintable()), str(tmp_path)) == 1
+    assert report(Unprintable(), tmp_path) == 1
     assert "Unprintable" in capsys.readouterr().err
     # step "four" read from damaged checkpoint metadata: describing the rank's state fails, the report does not
     trainer = SimpleNamespace(step="four", phase="data", state=SimpleNamespace(coordinates=lambda: "rank 0"),

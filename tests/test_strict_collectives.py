@@ -4,13 +4,15 @@ On CPU every tensor is a host tensor, so the strict mode marks the library's hos
 refuses them at every collective; the checkpoint path must join shards on the device and copy afterwards."""
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_domino.models.full_state import gather_full
-from megatron_domino.parallel import Topology, state as parallel_state
+from megatron_domino.parallel import ParallelState, Topology
 from megatron_domino.parallel.strict import HostCopy, check_collective, to_host
 from megatron_domino.tensor_parallel.sharding import ParamInfo, ShardSpec
 from tests.harness import run_ranks
@@ -19,7 +21,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _checks(rank, world_size):
-    ps = parallel_state.initialize(Topology(world_size, 2, 1, 1), print_rank_map=False)  # installs the checks
+    ps = ParallelState(Topology(world_size, 2, 1, 1), strict=True)  # installs the checks
     param = torch.nn.Parameter(torch.full((2, 3), float(rank)))
     full = gather_full(param, ParamInfo(ShardSpec(dim=0, parts=(4,))), ps.tp_group)  # device gather, then host
     outcomes = {"gathered": full.tolist(), "is_host_copy": isinstance(full, HostCopy)}
@@ -34,7 +36,7 @@ def _checks(rank, world_size):
     flag = torch.ones(1)
     dist.all_reduce(flag, group=ps.tp_group)  # a device tensor passes
     outcomes["sum"] = flag.item()
-    parallel_state.destroy()
+    ps.destroy()
     return outcomes
 
 
@@ -68,3 +70,25 @@ def test_the_library_has_no_way_around_the_checks(rule, pattern, allowed):
                 with open(path, encoding="utf-8") as f:
                     offenders += [f"{relative}: {m.group(0)}" for m in re.finditer(pattern, f.read())]
     assert not offenders, f"{rule}: {offenders}"
+
+
+_STRICT_SWITCH = """
+import sys, torch.distributed as dist
+from megatron_domino.parallel import ParallelState, Topology
+original = dist.all_reduce
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%s", rank=0, world_size=1)
+ParallelState(Topology(1)).destroy()
+plain = dist.all_reduce is original
+ParallelState(Topology(1), strict=True).destroy()
+print(plain, dist.all_reduce is not original)
+"""
+
+
+def test_a_strict_state_installs_the_checks_and_a_plain_one_does_not():
+    """In a fresh process (the suite's own processes have the checks from tests/conftest.py)."""
+    from megatron_domino.parallel.launch import free_port
+    from tests.training_runs import environment
+    done = subprocess.run([sys.executable, "-c", _STRICT_SWITCH % free_port()], env=environment(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "True"]

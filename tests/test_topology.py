@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_domino import mpu
-from megatron_domino.parallel import Topology, state
+from megatron_domino.parallel import ParallelState, Topology
 from tests.harness import run_ranks
 
 # (tp, pp, dp, order) -> expected groups, written out by hand from "innermost axis first".
@@ -134,7 +134,7 @@ def _check_real_groups(rank, world_size):
     for (tp, pp, dp, order), want in EXPECTED.items():
         if tp * pp * dp != world_size:
             continue
-        ps = state.initialize(Topology(world_size, tp=tp, pp=pp, dp=dp, order=order), print_rank_map=False)
+        ps = mpu.use(ParallelState(Topology(world_size, tp=tp, pp=pp, dp=dp, order=order)))
         for name, group in (("tp", ps.tp_group), ("dp", ps.dp_group), ("pp", ps.pp_group),
                             ("mp", ps.mp_group), ("emb", ps.embedding_group)):
             members = next((g for g in want[name] if rank in g), None)
@@ -154,9 +154,10 @@ def _check_real_groups(rank, world_size):
         assert mpu.get_model_parallel_world_size() == tp * pp
         assert mpu.get_pipeline_model_parallel_first_rank() == ps.pp_ranks[0]
         assert mpu.get_pipeline_model_parallel_next_rank() == ps.topology.next_pp_rank(rank)
-        state.destroy()
+        mpu.use(None)
+        ps.destroy()
     for (tp, cp, pp, dp), want in CP_EXPECTED.items():
-        ps = state.initialize(Topology(world_size, tp=tp, pp=pp, dp=dp, cp=cp), print_rank_map=False)
+        ps = mpu.use(ParallelState(Topology(world_size, tp=tp, pp=pp, dp=dp, cp=cp)))
         for name, group in (("cp", ps.cp_group), ("dp_cp", ps.dp_cp_group), ("pp", ps.pp_group)):
             members = next(g for g in want[name] if rank in g)
             value = torch.tensor([float(rank)])
@@ -164,9 +165,10 @@ def _check_real_groups(rank, world_size):
             assert value.item() == sum(members), ((tp, cp, pp, dp), name, value, members)
         assert mpu.get_context_parallel_world_size() == cp and ps.cp_ranks == next(g for g in want["cp"] if rank in g)
         assert mpu.get_context_parallel_rank() == ps.topology.coordinate(rank).cp
-        state.destroy()
+        mpu.use(None)
+        ps.destroy()
     for (tp, cp, pp, dp, ep), want in EP_EXPECTED.items():
-        ps = state.initialize(Topology(world_size, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), print_rank_map=False)
+        ps = mpu.use(ParallelState(Topology(world_size, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)))
         for name, group in (("ep", ps.ep_group), ("expert_dp", ps.expert_dp_group)):
             members = next(g for g in want[name] if rank in g)
             value = torch.tensor([float(rank)])
@@ -175,10 +177,10 @@ def _check_real_groups(rank, world_size):
         assert mpu.get_expert_model_parallel_world_size() == ep and mpu.get_expert_model_parallel_group() is ps.ep_group
         assert mpu.get_expert_model_parallel_rank() == dist.get_rank(ps.ep_group)
         assert mpu.get_expert_data_parallel_group() is ps.expert_dp_group
-        state.destroy()
+        mpu.use(None)
+        ps.destroy()
     assert not mpu.model_parallel_is_initialized()
-    mpu.initialize_model_parallel(2, 2)
-    table = state.get().rank_map()
+    table = mpu.initialize_model_parallel(2, 2).rank_map()
     assert mpu.get_data_parallel_world_size() == 2
     mpu.destroy_model_parallel()
     return table
@@ -195,13 +197,12 @@ def test_mpu_stage_questions_under_interleaving_need_ignore_virtual():
     from torch.testing._internal.distributed.fake_pg import FakeStore
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
     try:
-        state.initialize(Topology(2, pp=2, virtual_pp=2), print_rank_map=False)
+        mpu.use(ParallelState(Topology(2, pp=2, virtual_pp=2)))
         assert not mpu.is_pipeline_first_stage(ignore_virtual=True) and mpu.is_pipeline_last_stage(True)
         with pytest.raises(NotImplementedError, match="ignore_virtual=True"):
             mpu.is_pipeline_first_stage()
-        state.destroy()
-        state.initialize(Topology(2, pp=2), print_rank_map=False)
+        mpu.use(ParallelState(Topology(2, pp=2)))
         assert mpu.is_pipeline_last_stage() and not mpu.is_pipeline_first_stage()
-        state.destroy()
+        mpu.use(None)
     finally:
         dist.destroy_process_group()

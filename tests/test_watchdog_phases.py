@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_domino.parallel import Topology
-from megatron_domino.parallel.store_barrier import Phase, StoreBarrierTimeout, store_barrier
+from megatron_domino.parallel.store_barrier import Phase, StoreBarriers, StoreBarrierTimeout
 from megatron_domino.training.signals import PreemptionHandler
 from megatron_domino.training.watchdog import EXIT_CODE, Watchdog
 from tests.harness import run_ranks
@@ -47,7 +47,7 @@ def test_a_phase_longer_than_the_timeout_but_within_its_budget_does_not_trip(cap
                          exit_process=exits.append)
     watchdog = _watchdog(2.0, exits, store)
     try:
-        phase = Phase("checkpoint save", 5.0, "checkpoint.save_timeout_s")
+        phase = Phase("checkpoint save", 5.0, "checkpoint.save_timeout_s", StoreBarriers("test"))
         with watchdog.watching(phase):  # 6 s in all, 3 s at a time without progress: over 2 s, within 5 s
             time.sleep(3.0)
             phase.progress("writing model-pp000.safetensors")
@@ -65,7 +65,7 @@ def test_a_phase_over_its_budget_is_reported_naming_the_phase_and_the_silent_pee
     exits = []
     watchdog = _watchdog(60.0, exits)
     try:
-        with watchdog.watching(Phase("index build", 1.0, "data.index_build_timeout_s")):
+        with watchdog.watching(Phase("index build", 1.0, "data.index_build_timeout_s", StoreBarriers("test"))):
             _wait_for(exits, 10.0)
     finally:
         watchdog.close()
@@ -81,7 +81,7 @@ def test_a_dead_peer_in_a_phase_is_reported_within_the_timeout_not_the_budget(ca
     watchdog = _watchdog(1.0, exits)
     started = time.monotonic()
     try:
-        with watchdog.watching(Phase("checkpoint save", 60.0, "checkpoint.save_timeout_s")):
+        with watchdog.watching(Phase("checkpoint save", 60.0, "checkpoint.save_timeout_s", StoreBarriers("test"))):
             _wait_for(exits, 10.0)
     finally:
         watchdog.close()
@@ -96,10 +96,11 @@ def _phase_checks(rank, world_size):
     dist.barrier()
     keys_before = store.num_keys()
     dist.barrier()
-    seen = []
+    seen, barriers, other_state_barriers = [], StoreBarriers("test"), StoreBarriers("other")
     time.sleep(0.3 * rank)  # ranks arrive one by one: rank 0 watches the count rise
-    store_barrier("staggered", 30.0, progress=seen.append)
-    store_barrier("again", 30.0)
+    barriers.wait("staggered", 30.0, progress=seen.append)
+    other_state_barriers.wait("staggered", 30.0)  # a second state's barrier of the same name keeps its own keys
+    barriers.wait("again", 30.0)
     dist.barrier()  # the last rank out of each barrier has deleted its keys before getting here
     keys_left = store.num_keys() - keys_before
 
@@ -116,7 +117,7 @@ def _phase_checks(rank, world_size):
     error = None
     if rank != world_size - 1:  # the last rank never comes
         try:
-            store_barrier("files written", 1.5, timeout_key="checkpoint.save_timeout_s")
+            barriers.wait("files written", 1.5, timeout_key="checkpoint.save_timeout_s")
         except StoreBarrierTimeout as err:
             error = str(err)
     return seen, keys_left, decisions, error

@@ -11,9 +11,11 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {"gpt": "configs/tiny/gpt.yaml", "llama": "configs/tiny/llama.yaml", "mixtral": "configs/tiny/mixtral.yaml"}
 ENTRY = {"gpt": "pretrain_gpt.py", "llama": "pretrain_llama.py", "mixtral": "pretrain_llama.py"}
-# Tests use synthetic tokens (no corpus needed), gloo (several ranks may share one GPU) and small, fast runs.
+# Tests use synthetic tokens (no corpus needed), gloo (several ranks may share one GPU), NCCL's rules emulated
+# (strict transport and collective checks) and small, fast runs.
 COMMON = ["data.mock=true", "tokenizer.type=NullTokenizer", "tokenizer.model=null", "log.tensorboard=false",
-          "optimizer.warmup_steps=2", "parallel.timeout_s=60", "parallel.backend=gloo"]
+          "optimizer.warmup_steps=2", "parallel.timeout_s=60", "parallel.backend=gloo",
+          "parallel.strict_transport=true"]
 
 
 def command(family: str, nproc: int, run_dir: str, overrides: list[str]) -> list[str]:

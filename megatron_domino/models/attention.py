@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..parallel.random import get_tracker
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, LayerContext
 from .document_attention import document_attention
 from .ring_attention import Ring, ring_attention
@@ -45,7 +44,7 @@ class Attention(nn.Module):
         heads, groups, head_dim = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
         self.queries_per_group, self.local_groups, self.head_dim = heads // groups, groups // ctx.size, head_dim
         self.dropout_p, self.selective = cfg.attention_dropout, cfg.recompute == "selective"
-        self.backend = cfg.attention_backend
+        self.backend, self.ctx = cfg.attention_backend, ctx
         self.ring = Ring(ctx.cp_group, ctx.cp_rank, ctx.cp_size) if ctx.cp_size > 1 else None
         output_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.qkv = ColumnParallelLinear(cfg.hidden_size, (heads + 2 * groups) * head_dim, ctx, bias=cfg.bias,
@@ -66,7 +65,7 @@ class Attention(nn.Module):
             k = k.repeat_interleave(self.queries_per_group, dim=1)
             v = v.repeat_interleave(self.queries_per_group, dim=1)
         if self.selective:
-            out = recompute(self._core, q, k, v, doc_offsets)
+            out = recompute(self._core, q, k, v, doc_offsets, rng=self.ctx.rng)
         else:
             out = self._core(q, k, v, doc_offsets)
         return out.transpose(1, 2).reshape(b, s, -1)
@@ -78,7 +77,7 @@ class Attention(nn.Module):
             return ring_attention(q, k, v, self.ring, doc_offsets)
         dropout = self.dropout_p if self.training else 0.0
         grouped = q.shape[1] != k.shape[1]
-        with get_tracker().fork() if dropout > 0 else contextlib.nullcontext(), sdpa_backend(self.backend):
+        with self.ctx.tp_stream() if dropout > 0 else contextlib.nullcontext(), sdpa_backend(self.backend):
             if doc_offsets is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=grouped)
             return document_attention(q, k, v, doc_offsets, dropout_p=dropout, enable_gqa=grouped)

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.random import get_tracker
 from ..tensor_parallel import LayerContext
 from .attention import Attention
 from .mlp import MLP
@@ -50,7 +49,7 @@ class TransformerBlock(nn.Module):
             args = (self._attention_hidden, x, rotary, doc_offsets)
         else:
             args = (self._mlp_hidden, x)
-        return recompute(*args) if self.full_recompute else args[0](*args[1:])
+        return recompute(*args, rng=self.ctx.rng) if self.full_recompute else args[0](*args[1:])
 
     def projection(self, phase: str):
         return self.attention.proj if phase == "attention" else self.mlp
@@ -60,7 +59,7 @@ class TransformerBlock(nn.Module):
         out = reduced if bias is None else reduced + bias
         if self.training and self.hidden_dropout > 0:
             if self.ctx.sequence_parallel:
-                with get_tracker().fork():
+                with self.ctx.tp_stream():
                     out = F.dropout(out, self.hidden_dropout)
             else:
                 out = F.dropout(out, self.hidden_dropout)

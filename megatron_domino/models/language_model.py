@@ -19,7 +19,6 @@ from ..domino.executor import run_order
 from ..domino.order import forward_order
 from ..domino.plan import DominoPlan
 from ..parallel import comm
-from ..parallel.random import get_tracker
 from ..tensor_parallel import (ParamInfo, ShardSpec, LayerContext, VocabParallelEmbedding, column_parallel_linear, declare,
                                make_param, sharding_table, vocab_parallel_cross_entropy)
 from .block import TransformerBlock
@@ -167,7 +166,7 @@ class LanguageModel(nn.Module):
             hidden = comm.scatter_to_sp(hidden, self.ctx.group)
         if self.training and self.cfg.hidden_dropout > 0:
             if self.ctx.sequence_parallel:
-                with get_tracker().fork():
+                with self.ctx.tp_stream():
                     hidden = F.dropout(hidden, self.cfg.hidden_dropout)
             else:
                 hidden = F.dropout(hidden, self.cfg.hidden_dropout)

@@ -9,11 +9,10 @@ import contextlib
 
 from torch.utils.checkpoint import checkpoint
 
-from ..parallel.random import get_tracker
+from ..parallel.random import RNGTracker
 
 
-def _tracker_contexts():
-    tracker = get_tracker()
+def _tracker_contexts(tracker: RNGTracker):
     saved = tracker.get_states()
 
     @contextlib.contextmanager
@@ -28,6 +27,10 @@ def _tracker_contexts():
     return contextlib.nullcontext(), replay()
 
 
-def recompute(function, *args):
-    """Run ``function(*args)`` keeping only its inputs; recompute it in backward with identical randomness."""
-    return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_tracker_contexts)
+def recompute(function, *args, rng: RNGTracker | None = None):
+    """Run ``function(*args)`` keeping only its inputs; recompute it in backward with identical randomness
+    (torch restores the default generators, ``_tracker_contexts`` the run's named streams in ``rng``)."""
+    if rng is None:
+        return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
+    return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
+                      context_fn=lambda: _tracker_contexts(rng))

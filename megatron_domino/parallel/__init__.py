@@ -1,4 +1,4 @@
 """Rank grid, process groups, launch, communication primitives and the RNG tracker."""
 from .launch import init_distributed
-from .state import ParallelState, destroy, detach, get, initialize, is_initialized
+from .state import ParallelState
 from .topology import Coordinate, Topology

@@ -31,11 +31,26 @@ def _device_set_state(state: torch.Tensor, device: torch.device) -> None:
 
 
 class RNGTracker:
-    """Named generator states kept aside and swapped into the device's generator on demand."""
+    """Named generator states kept aside and swapped into the device's generator on demand.
+
+    One per run (the trainer's), handed to the layers in their ``LayerContext`` and to the checkpointer:
+    no layer looks a tracker up in process-wide state, so two models in one process keep their own."""
 
     def __init__(self, device: torch.device | None = None):
         self.device = device or torch.device("cpu")
         self.states: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def seeded(cls, seed: int, tp_rank: int = 0, pp_rank: int = 0, device: torch.device | None = None):
+        """Seed the default stream (same across TP and DP) and return a tracker with the TP stream (distinct
+        per TP rank). Pipeline stages get different default seeds so that their dropout masks are independent."""
+        default_seed = seed + _PIPELINE_SEED_STRIDE * pp_rank
+        tracker = cls(device)
+        torch.manual_seed(default_seed)
+        if device is not None and device.type == "cuda":
+            cuda.manual_seed(default_seed)
+        tracker.add(TENSOR_PARALLEL_STREAM, default_seed + _TP_SEED_OFFSET + tp_rank)
+        return tracker
 
     def add(self, name: str, seed: int) -> None:
         saved = _device_get_state(self.device)
@@ -53,7 +68,7 @@ class RNGTracker:
     def fork(self, name: str = TENSOR_PARALLEL_STREAM):
         """Run the block on stream ``name``; the default stream continues untouched afterwards."""
         if name not in self.states:
-            raise KeyError(f"RNG stream {name!r} was never seeded: call seed_streams() at start-up")
+            raise KeyError(f"RNG stream {name!r} was never seeded: build the tracker with RNGTracker.seeded()")
         saved = _device_get_state(self.device)
         _device_set_state(self.states[name], self.device)
         try:
@@ -68,38 +83,15 @@ class RNGTracker:
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
         self.states = {name: state.clone() for name, state in states.items()}
 
+    def capture(self) -> dict:
+        """Every stream's state, for a checkpoint: CPU, CUDA (when present) and the named streams."""
+        state = {"cpu": torch.get_rng_state(), "tracker": self.get_states()}
+        if self.device.type == "cuda":
+            state["cuda"] = cuda.get_rng_state(self.device)
+        return state
 
-_tracker = RNGTracker()
-
-
-def get_tracker() -> RNGTracker:
-    return _tracker
-
-
-def seed_streams(seed: int, tp_rank: int = 0, pp_rank: int = 0, device: torch.device | None = None) -> None:
-    """Seed the default stream (same across TP and DP) and the TP stream (distinct per TP rank).
-
-    Pipeline stages get different default seeds so that their dropout masks are independent.
-    """
-    global _tracker
-    default_seed = seed + _PIPELINE_SEED_STRIDE * pp_rank
-    _tracker = RNGTracker(device)
-    torch.manual_seed(default_seed)
-    if device is not None and device.type == "cuda":
-        cuda.manual_seed(default_seed)
-    _tracker.add(TENSOR_PARALLEL_STREAM, default_seed + _TP_SEED_OFFSET + tp_rank)
-
-
-def capture_rng_state() -> dict:
-    """Every stream's state: CPU, CUDA (when present) and the tracker's named streams."""
-    state = {"cpu": torch.get_rng_state(), "tracker": _tracker.get_states()}
-    if _tracker.device.type == "cuda":
-        state["cuda"] = cuda.get_rng_state(_tracker.device)
-    return state
-
-
-def restore_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and _tracker.device.type == "cuda":
-        cuda.set_rng_state(state["cuda"], _tracker.device)
-    _tracker.set_states(state["tracker"])
+    def restore(self, state: dict) -> None:
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state and self.device.type == "cuda":
+            cuda.set_rng_state(state["cuda"], self.device)
+        self.set_states(state["tracker"])

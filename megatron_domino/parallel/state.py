@@ -1,39 +1,47 @@
 """This rank's process groups, built from a ``Topology``.
 
-``ParallelState`` is a value you can pass around; ``initialize``/``get``/``destroy`` keep a
-process-wide current one for convenience (and for the Megatron-style ``mpu`` module). Tests
-create and destroy it freely to change layouts inside one process group.
+``ParallelState`` is a value passed to whatever needs groups: the library keeps no current one, so
+several live side by side in one process (a benchmark holding a trainer per mode, a test changing
+layouts). The Megatron-style ``mpu`` module is the one place with a current state, because its API
+is process-wide by definition.
 """
 from __future__ import annotations
 
+import itertools
 import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .strict import install_collective_checks, strict_enabled
+from .store_barrier import StoreBarriers
+from .strict import install_collective_checks
 from .topology import Topology
+
+# Every rank builds its states in the same order (as torch requires of the groups they create), so the n-th
+# state has the same serial everywhere: the namespace of its store keys, distinct from every other state's.
+_SERIAL = itertools.count()
 
 
 class ParallelState:
     """Topology + the groups this rank belongs to + its coordinates and device.
 
     ``timeout_s`` is every group's collective timeout: ``launch.collective_timeout_s(cfg.parallel)``,
-    as for the default group (None: torch's default).
+    as for the default group (None: torch's default). ``strict`` (``parallel.strict_transport``): emulate
+    NCCL's rules on gloo, the strict pipeline transport and the device check at every collective
+    (``parallel/strict.py``). ``barriers``: this state's store barriers and keys.
     """
 
     def __init__(self, topology: Topology, device: torch.device | None = None, timeout_s: float | None = None,
                  strict: bool = False):
-        """``strict``: check every collective against NCCL's device rules (also on with the environment switch)."""
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call parallel.launch.init_distributed() first")
         if dist.get_world_size() != topology.world_size:
             raise ValueError(f"parallel: the topology is for {topology.world_size} ranks but {dist.get_world_size()} "
                              f"were launched. Fix: launch {topology.world_size} ranks or change tp/pp/dp.")
-        if strict or strict_enabled():
+        if strict:
             install_collective_checks()
-        self.topology = topology
+        self.topology, self.strict = topology, strict
         self.rank = dist.get_rank()
         self.device = device if device is not None else torch.device("cpu")
         timeout = timedelta(seconds=timeout_s) if timeout_s else None
@@ -68,6 +76,7 @@ class ParallelState:
         self.dp_cp_size = self.dp_size * self.cp_size
         self.ep_size, self.ep_rank = topology.ep, coordinate.dp % topology.ep
         self.virtual_pp = topology.virtual_pp
+        self.barriers = StoreBarriers(f"state-{next(_SERIAL)}")
 
     def _make(self, groups: list[list[int]], timeout):
         """Every rank must create every group, in the same order; keep the one we are in."""
@@ -96,9 +105,7 @@ class ParallelState:
         return self.topology.prev_pp_rank(self.rank)
 
     def coordinates(self) -> str:
-        """'rank 5 (tp 1, pp 1, dp 0)': the prefix used in logs and error reports (cp named when it is used)."""
-        cp = f", cp {self.cp_rank}" if self.cp_size > 1 else ""
-        return f"rank {self.rank} (tp {self.tp_rank}{cp}, pp {self.pp_rank}, dp {self.dp_rank})"
+        return self.topology.describe(self.rank)
 
     def rank_map(self) -> str:
         """Gather host names and render the topology's table (collective: call on every rank)."""
@@ -110,47 +117,3 @@ class ParallelState:
         for group in self._created:
             dist.destroy_process_group(group)
         self._created = []
-
-
-_current: ParallelState | None = None
-
-
-def initialize(topology: Topology, device: torch.device | None = None, timeout_s: float | None = None,
-               print_rank_map: bool = True, strict: bool = False) -> ParallelState:
-    """Create this rank's groups and make them the current ones."""
-    global _current
-    if _current is not None:
-        destroy()
-    _current = ParallelState(topology, device, timeout_s, strict)
-    if print_rank_map:
-        table = _current.rank_map()
-        if _current.rank == 0:
-            print(table, flush=True)
-    return _current
-
-
-def get() -> ParallelState:
-    if _current is None:
-        raise RuntimeError("parallel state is not initialised: call megatron_domino.parallel.initialize(topology)")
-    return _current
-
-
-def is_initialized() -> bool:
-    return _current is not None
-
-
-def detach() -> ParallelState | None:
-    """Stop treating the current state as current without destroying its groups (the caller owns them now).
-
-    Lets one process keep several states alive, e.g. a benchmark holding one trainer per mode.
-    """
-    global _current
-    state, _current = _current, None
-    return state
-
-
-def destroy() -> None:
-    global _current
-    if _current is not None:
-        _current.destroy()
-        _current = None

@@ -17,8 +17,6 @@ from typing import Callable
 
 import torch.distributed as dist
 
-_KEY = "megatron_domino/barrier/{}/{}/{}"  # call number, barrier name, part
-_calls = itertools.count()  # every rank calls its barriers in the same order, so the numbers agree
 _MAX_POLL_S = 0.5
 
 
@@ -26,34 +24,47 @@ class StoreBarrierTimeout(TimeoutError):
     pass
 
 
-def store_barrier(name: str, timeout_s: float, *, timeout_key: str | None = None,
-                  progress: Callable[[str], None] | None = None) -> None:
-    """Return once every rank of the default group has called this barrier, or raise ``StoreBarrierTimeout``
-    after ``timeout_s`` naming the ranks that did not arrive (``timeout_key``: the setting to raise).
+class StoreBarriers:
+    """The store barriers (and store keys) of one ``ParallelState``: numbered in call order under a namespace
+    every rank derives alike, so the numbers agree without a module-wide counter and two states in one process
+    never share a key."""
 
-    ``progress`` receives "<name>: k/N ranks arrived" while waiting. A world of one returns at once.
-    The last rank to leave deletes the barrier's keys.
-    """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    store, rank, world_size = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
-    call = next(_calls)
-    key = lambda part: _KEY.format(call, name, part)  # noqa: E731
-    store.append(key("ranks"), f"{rank},")
-    arrived = store.add(key("count"), 1)
-    deadline, poll_s = time.monotonic() + timeout_s, 0.01
-    while arrived < world_size:
-        if progress is not None:
-            progress(f"{name}: {arrived}/{world_size} ranks arrived")
-        if time.monotonic() >= deadline:
-            raise StoreBarrierTimeout(_timeout_message(name, timeout_s, timeout_key, store.get(key("ranks")),
-                                                       world_size, rank))
-        time.sleep(poll_s)
-        poll_s = min(2 * poll_s, _MAX_POLL_S)
-        arrived = store.add(key("count"), 0)
-    if store.add(key("left"), 1) == world_size:  # everyone has seen the count: nobody reads these keys again
-        for part in ("ranks", "count", "left"):
-            store.delete_key(key(part))
+    def __init__(self, namespace: str):
+        self.namespace = namespace
+        self._calls = itertools.count()  # every rank calls its barriers in the same order
+
+    def key(self, name: str) -> str:
+        """A fresh store key, the same on every rank that asks at the same point."""
+        return f"megatron_domino/{self.namespace}/{next(self._calls)}/{name}"
+
+    def wait(self, name: str, timeout_s: float, *, timeout_key: str | None = None,
+             progress: Callable[[str], None] | None = None) -> None:
+        """Return once every rank of the default group has called this barrier, or raise ``StoreBarrierTimeout``
+        after ``timeout_s`` naming the ranks that did not arrive (``timeout_key``: the setting to raise).
+
+        ``progress`` receives "<name>: k/N ranks arrived" while waiting. A world of one returns at once.
+        The last rank to leave deletes the barrier's keys.
+        """
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        store, rank, world_size = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+        base = self.key(f"barrier/{name}")
+        key = lambda part: f"{base}/{part}"  # noqa: E731
+        store.append(key("ranks"), f"{rank},")
+        arrived = store.add(key("count"), 1)
+        deadline, poll_s = time.monotonic() + timeout_s, 0.01
+        while arrived < world_size:
+            if progress is not None:
+                progress(f"{name}: {arrived}/{world_size} ranks arrived")
+            if time.monotonic() >= deadline:
+                raise StoreBarrierTimeout(_timeout_message(name, timeout_s, timeout_key, store.get(key("ranks")),
+                                                           world_size, rank))
+            time.sleep(poll_s)
+            poll_s = min(2 * poll_s, _MAX_POLL_S)
+            arrived = store.add(key("count"), 0)
+        if store.add(key("left"), 1) == world_size:  # everyone has seen the count: nobody reads these keys again
+            for part in ("ranks", "count", "left"):
+                store.delete_key(key(part))
 
 
 def _timeout_message(name: str, timeout_s: float, timeout_key: str | None, ranks: bytes, world_size: int,
@@ -70,8 +81,8 @@ class Phase:
     """A long stretch of work with its own budget: the watchdog allows it ``budget_s`` without progress
     (instead of ``parallel.timeout_s``), and its barriers wait that long over the store."""
 
-    def __init__(self, name: str, budget_s: float, key: str):
-        self.name, self.budget_s, self.key = name, budget_s, key
+    def __init__(self, name: str, budget_s: float, key: str, barriers: StoreBarriers):
+        self.name, self.budget_s, self.key, self.barriers = name, budget_s, key, barriers
         self.detail = "started"
 
     def progress(self, detail: str) -> None:
@@ -81,5 +92,5 @@ class Phase:
     def barrier(self, what: str) -> None:
         """Wait, within the budget, for every rank to reach the point named ``what``."""
         self.progress(f"waiting for every rank to reach '{what}'")
-        store_barrier(f"{self.name}: {what}", self.budget_s, timeout_key=self.key, progress=self.progress)
+        self.barriers.wait(f"{self.name}: {what}", self.budget_s, timeout_key=self.key, progress=self.progress)
         self.progress(f"every rank reached '{what}'")

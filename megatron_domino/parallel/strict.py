@@ -10,18 +10,18 @@ subclass that survives views and arithmetic). The check wrapped around every
 - a ``HostCopy`` on any group (the groups are NCCL-only on GPUs), and
 - a tensor whose device type the group's backends do not serve.
 
-The switch: ``parallel.strict_transport: true`` or MEGATRON_DOMINO_STRICT_TRANSPORT=1 (set by the
-test suite). It also selects the strict pipeline transport (``pipeline/strict_transport.py``).
+The switch is the parallel state's ``strict`` (``parallel.strict_transport: true``), which also selects
+the strict pipeline transport (``pipeline/strict_transport.py``); the test suite turns the checks on in
+every process it starts. torch.distributed is one per process, so the wrapping is too: once installed
+(by the first strict state, or a test fixture) it stays, a debugging aid that checks and never alters.
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.distributed as dist
 
-ENV_SWITCH = "MEGATRON_DOMINO_STRICT_TRANSPORT"
 # Collectives and batched p2p whose tensors must live where the group serves. Plain isend/irecv stay
 # unwrapped: P2POp accepts only the original functions (the batch they go into is checked).
 _CHECKED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
@@ -32,10 +32,6 @@ _installed: dict[str, object] = {}
 
 class HostCopy(torch.Tensor):
     """Marks a tensor the library copied to host memory (strict mode only)."""
-
-
-def strict_enabled(parallel_cfg=None) -> bool:
-    return bool(getattr(parallel_cfg, "strict_transport", False)) or os.environ.get(ENV_SWITCH) == "1"
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -94,6 +94,12 @@ class Topology:
             raise ValueError(f"rank {rank} outside 0..{self.world_size - 1}")
         return Coordinate(**{a: (rank // self._strides[a]) % self.sizes[a] for a in AXES})
 
+    def describe(self, rank: int) -> str:
+        """'rank 5 (tp 1, pp 1, dp 0)': the prefix used in logs and error reports (cp named when it is used)."""
+        at = self.coordinate(rank)
+        cp = f", cp {at.cp}" if self.cp > 1 else ""
+        return f"rank {rank} (tp {at.tp}{cp}, pp {at.pp}, dp {at.dp})"
+
     def _groups_along(self, *axes: str) -> list[list[int]]:
         """All groups whose members differ only along ``axes``; members sorted by rank."""
         fixed = [a for a in AXES if a not in axes]

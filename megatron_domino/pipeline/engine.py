@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from ..parallel.device import to_device
 from ..parallel.launch import collective_timeout_s
-from ..parallel.strict import strict_enabled
 from .device_batches import DeviceBatches
 from .executor import PipelineExecutor, StageContext
 from .p2p import P2P
@@ -43,7 +42,7 @@ class PipelineEngine:
         self._loss_factor = torch.ones((), dtype=torch.float64, device=device)
         # The strict transport emulates NCCL's p2p rules on gloo (its announcements rely on gloo's tags and
         # buffering); on NCCL the rules hold by themselves, so the plain transport serves there.
-        transport = StrictP2P if strict_enabled(par) and dist.get_backend() == "gloo" else P2P
+        transport = StrictP2P if state.strict and dist.get_backend() == "gloo" else P2P
         self.executor = PipelineExecutor(chunks, self.stage,
                                          transport(device, collective_timeout_s(par), par.variable_seq_lengths),
                                          loss_fn=self._loss, on_backward=on_backward)

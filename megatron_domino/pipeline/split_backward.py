@@ -6,9 +6,9 @@ those on a path to the input (I runs them) and the weight-only rest. A "split" n
 and also feeds the weight-only part (a linear's matmul, a norm, a bias add): I records the gradient that
 reaches it, and W re-enters the graph there, asking the engine for the weights only, so no input-gradient
 work is done twice. The engine skips a built-in node's unneeded outputs itself; Python Functions holding
-weights read ``gradient_pass``. Split nodes that share weights (Domino's μ-chunks use the same matrices)
-form one group and one engine call, so each weight's gradient accumulates once per W: the post-accumulate
-hooks of the DP gradient buffers fire as in an unsplit backward.
+weights are told which half to compute on their own nodes (``gradient_pass``). Split nodes that share weights
+(Domino's μ-chunks use the same matrices) form one group and one engine call, so each weight's gradient
+accumulates once per W: the post-accumulate hooks of the DP gradient buffers fire as in an unsplit backward.
 
 Domino: unsplit, a column-parallel linear's input-gradient all-reduce overlaps the linear's own weight
 gradient. In I the other μ-chunks' I hides it, except for the all-reduce waited for last, which I would
@@ -129,7 +129,7 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None,
     hooks = [node.register_prehook(lambda grads, node=node: recorded.__setitem__(node, grads)) for node in split]
     hooks += [node.register_prehook(lambda grads, node=node: before_wait(node)) for node in waits]
     try:
-        with gradient_pass(inputs=True, weights=False):
+        with gradient_pass(split, inputs=True, weights=False):
             (input_grad,) = Variable._execution_engine.run_backward(
                 (output,), (grad,), True, False, (stage_input,), True, False)
     finally:
@@ -158,7 +158,8 @@ def _pending(groups: list[list], recorded: dict, leaves: dict) -> WeightGradient
 
 def _weight_pass(pending: WeightGradients) -> None:
     """The weights-only engine calls, one per group (the group's weights accumulate once)."""
-    with gradient_pass(inputs=False, weights=True):
+    entries = [edge.node for edges, _, _ in pending.groups for edge in edges]
+    with gradient_pass(entries, inputs=False, weights=True):
         for edges, grads, weights in pending.groups:
             torch.autograd.backward(edges, grads, inputs=weights)
 

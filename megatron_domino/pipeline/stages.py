@@ -28,14 +28,16 @@ def layer_partition(cfg) -> list[list[int]]:
                             par.pipeline_layout)
 
 
-def build_stage_chunks(cfg, state, *, dtype=torch.float32, device=None, init_seed: int | None = None) -> list:
-    """This rank's model chunks (one per virtual stage it holds); only their parameters are allocated."""
+def build_stage_chunks(cfg, state, *, dtype=torch.float32, device=None, init_seed: int | None = None,
+                       rng=None) -> list:
+    """This rank's model chunks (one per virtual stage it holds); only their parameters are allocated.
+    ``rng``: the run's ``RNGTracker``, which every chunk's dropout draws from."""
     par = cfg.parallel
     partition = layer_partition(cfg)
     stages = par.pp * par.virtual_pp
     plan = DominoPlan.from_config(par)
     ctx = LayerContext(state.tp_group, par.sequence_parallel, dtype=dtype, device=device, cp_group=state.cp_group,
-                    ep_group=state.expert_group, experts_split=state.topology.expert_tp == state.tp_size)
+                    ep_group=state.expert_group, experts_split=state.topology.expert_tp == state.tp_size, rng=rng)
     chunks = []
     for chunk in range(par.virtual_pp):
         stage = virtual_stage(state.pp_rank, chunk, par.pp)

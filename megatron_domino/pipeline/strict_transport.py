@@ -13,8 +13,8 @@ gloo. This transport removes both reliefs:
   operations loses receives here as it would on NCCL.
 A send whose receive is never posted times out with the message NCCL never gives (the deadlock,
 named); an announcement that does not describe what is being sent is an error too (NCCL would
-deliver the wrong tensor). The switch is ``parallel.strict``'s (``parallel.strict_transport: true`` or
-MEGATRON_DOMINO_STRICT_TRANSPORT=1, which the test suite sets).
+deliver the wrong tensor). The switch is the parallel state's ``strict`` (``parallel.strict_transport:
+true``; the test suite's configs and parallel states set it).
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from ..pipeline.program import max_in_flight
 from ..pipeline.schedules import build_schedule, schedule_kind
 from ..planner.hardware import get_gpu
 from ..planner.memory import GIB, estimate_stages
-from ..training.checkpoint_dir import _KEY as RUN_DIRS_KEY
+from ..training.checkpoint_dir import RUN_DIRS_VERDICT
 from . import fake_cuda
 from .collectives import CollectiveCounter
 from .dispatch import RehearsalMode
@@ -129,7 +129,7 @@ def rehearse_rank(cfg, world_size: int, rank: int, gpu: str = "h100-80gb", job=N
     runtime = RehearsalRuntime(library, syncs, memory, name, capability)
     previous = device.install(runtime)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % GPUS_PER_NODE))
-    store = RehearsalStore(world_size, {RUN_DIRS_KEY.split("{")[0]: json.dumps({"run_id": "rehearsal", "error": None})})
+    store = RehearsalStore(world_size, {f"/{RUN_DIRS_VERDICT}": json.dumps({"run_id": "rehearsal", "error": None})})
     dist.init_process_group("fake", store=store, rank=rank, world_size=world_size)
     start = time.perf_counter()
     try:

@@ -24,22 +24,22 @@ import torch.nn.functional as F
 
 from ..parallel import comm
 
-# Which gradients a backward pass computes: both, or one half of a split backward (the pipeline's B or W).
-# The engine skips a built-in node's unneeded outputs by itself but cannot tell a Python Function which of
-# its outputs are needed, so the Function below reads this.
-_PASS = {"input": True, "weight": True}
-
 
 @contextmanager
-def gradient_pass(inputs: bool, weights: bool):
-    """Within: Python Functions holding weights compute input gradients only if ``inputs``, weight
-    gradients only if ``weights`` (``pipeline.split_backward`` runs I and W under it)."""
-    saved = dict(_PASS)
-    _PASS.update(input=inputs, weight=weights)
+def gradient_pass(nodes, inputs: bool, weights: bool):
+    """Within: the ``LinearWithAsyncInputGradient`` nodes among ``nodes`` compute input gradients only if
+    ``inputs``, weight gradients only if ``weights`` (``pipeline.split_backward`` runs I and W under it). The
+    engine skips a built-in node's unneeded outputs by itself but cannot tell a Python Function which of its
+    outputs are needed, so the mode is set on the Function's own autograd node, which lives as long as it."""
+    linears = [node for node in nodes if isinstance(node, LinearWithAsyncInputGradient._backward_cls)]
+    saved = [node.gradients for node in linears]
+    for node in linears:
+        node.gradients = (inputs, weights)
     try:
         yield
     finally:
-        _PASS.update(saved)
+        for node, mode in zip(linears, saved):
+            node.gradients = mode
 
 
 class PendingReduce:
@@ -191,13 +191,15 @@ class LinearWithAsyncInputGradient(torch.autograd.Function):
             x = comm.gather_sequence(x, pending.group)
         ctx.save_for_backward(x, weight)
         ctx.pending, ctx.has_bias = pending, bias is not None
+        ctx.gradients = (True, True)  # (input, weight); ``gradient_pass`` narrows it for a split backward
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
-        grad_input = ctx.pending.launch(grad_output, weight) if _PASS["input"] else None
-        if not _PASS["weight"]:  # B of a split backward: W computes these later
+        inputs, weights = ctx.gradients
+        grad_input = ctx.pending.launch(grad_output, weight) if inputs else None
+        if not weights:  # I of a split backward: W computes these later
             return grad_input, None, None, None
         flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
         grad_weight = flat_grad.t().matmul(x.reshape(-1, x.shape[-1]))

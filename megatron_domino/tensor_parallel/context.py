@@ -8,11 +8,13 @@ explicitly: no layer looks anything up in process-wide state.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from ..parallel import comm
+from ..parallel.random import RNGTracker
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class LayerContext:
     cp_group: object = None  # the context-parallel ring (ring attention); None: one rank
     ep_group: object = None  # the ranks sharing the experts out (MoE token exchange); None: one rank
     experts_split: bool = True  # experts split over TP like the MLP; False: whole, shared out over tp x ep
+    rng: RNGTracker | None = None  # the run's dropout streams; None: one TP rank's default stream serves
 
     def __post_init__(self):
         object.__setattr__(self, "sequence_parallel", bool(self.sequence_parallel) and self.size > 1)
@@ -45,3 +48,12 @@ class LayerContext:
     def cp_rank(self) -> int:
         """Rank in the ring, which is the cp coordinate (ring members are created in cp order)."""
         return comm.group_rank(self.cp_group)
+
+    def tp_stream(self):
+        """A context drawing dropout from this TP rank's stream (activations that differ per TP rank)."""
+        if self.rng is not None:
+            return self.rng.fork()
+        if self.size > 1:
+            raise RuntimeError("dropout on tensor-parallel activations needs the run's RNG streams: build the "
+                               "LayerContext with rng=RNGTracker.seeded(seed, tp_rank, pp_rank)")
+        return contextlib.nullcontext()

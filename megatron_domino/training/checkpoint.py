@@ -31,18 +31,17 @@ from ..files import fsync_dir, fsync_file
 from ..models.full_state import saved_parameters
 from ..optim.sharded_state import ShardedStateLoad, checkpoint_meta, checkpoint_regions
 from ..parallel.device import cuda
-from ..parallel.random import capture_rng_state, restore_rng_state
 from ..parallel.store_barrier import Phase
 from ..parallel.strict import to_host
 from ..tensor_parallel.regions import regions, stored_shape
 
 
-def save_phase(cfg) -> Phase:
-    return Phase("checkpoint save", cfg.checkpoint.save_timeout_s, "checkpoint.save_timeout_s")
+def save_phase(cfg, barriers) -> Phase:
+    return Phase("checkpoint save", cfg.checkpoint.save_timeout_s, "checkpoint.save_timeout_s", barriers)
 
 
-def load_phase(cfg) -> Phase:
-    return Phase("checkpoint load", cfg.checkpoint.load_timeout_s, "checkpoint.load_timeout_s")
+def load_phase(cfg, barriers) -> Phase:
+    return Phase("checkpoint load", cfg.checkpoint.load_timeout_s, "checkpoint.load_timeout_s", barriers)
 
 
 def model_state(chunks, tp_rank: int) -> dict[str, tensors.Stored]:
@@ -77,8 +76,9 @@ def _staged(state: dict[str, tensors.Stored]) -> dict[str, tensors.Stored]:
 class Checkpointer:
     """Saves and loads this rank's share of the model and optimizer (collective over every rank)."""
 
-    def __init__(self, cfg, state, run_id: str = ""):
-        self.cfg, self.state, self.run_id = cfg, state, run_id
+    def __init__(self, cfg, state, rng, run_id: str = ""):
+        """``rng``: the run's ``RNGTracker``, saved and restored with every checkpoint."""
+        self.cfg, self.state, self.rng, self.run_id = cfg, state, rng, run_id
         self.group = None  # the gloo group DCP coordinates over, made at the first save or load (``_connect``)
         self._writer: threading.Thread | None = None
         self._failure: BaseException | None = None
@@ -96,13 +96,13 @@ class Checkpointer:
         returns once the state is staged in host memory, and the directory appears when the write is done."""
         self.wait()
         self._connect()
-        phase = phase or save_phase(self.cfg)
+        phase = phase or save_phase(self.cfg, self.state.barriers)
         tmp = fmt.tmp_step_dir(root, step, self.run_id)
         if self.state.rank == 0:
             os.makedirs(os.path.join(fmt.start_step_dir(root, step, self.run_id), "rng"))
         phase.barrier("temporary directory created")
         rng_path = os.path.join(tmp, fmt.rng_file(self.state.rank))
-        torch.save(capture_rng_state(), rng_path)
+        torch.save(self.rng.capture(), rng_path)
         fsync_file(rng_path)
         content = {**model_state(chunks, self.state.tp_rank), **optimizer_state(optimizer)}
         meta = fmt.metadata(step, config_to_dict(self.cfg), self._layout(), consumed_samples=consumed_samples,
@@ -157,7 +157,7 @@ class Checkpointer:
         """
         self.wait()
         self._connect()
-        phase = phase or load_phase(self.cfg)
+        phase = phase or load_phase(self.cfg, self.state.barriers)
         metadata = fmt.read_metadata(path)
         fmt.check_compatible(metadata, self.cfg.model)
         fmt.check_files(path)
@@ -173,7 +173,7 @@ class Checkpointer:
             lr_schedule.load_state_dict(metadata["lr_schedule"])
         rng_file = os.path.join(path, fmt.rng_file(self.state.rank))
         if fmt.saved_layout(metadata) == self._layout() and os.path.exists(rng_file):
-            restore_rng_state(torch.load(rng_file, weights_only=True))
+            self.rng.restore(torch.load(rng_file, weights_only=True))
         phase.barrier("loaded")
         return metadata
 

@@ -18,7 +18,6 @@ reporter prints it once) or receives the run id that makes this run's temporary 
 """
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import secrets
@@ -37,8 +36,7 @@ from ..models.counters import count_parameters
 LOCK = ".lock"
 HEARTBEAT_S = 60.0
 STALE_AFTER_S = 900.0  # 15 heartbeats missed: the holder is gone even if its pid cannot be checked from here
-_KEY = "megatron_domino/run_dirs/{}"
-_calls = itertools.count()  # every rank prepares in the same order, so the keys agree
+RUN_DIRS_VERDICT = "run dirs verdict"  # the name of rank 0's store key in ``prepare_run_dirs``
 
 
 def checkpoint_bytes(cfg) -> int:
@@ -196,10 +194,10 @@ def _prepare_here(cfg, writes_checkpoints: bool, run_id: str) -> DirLock | None:
     return lock
 
 
-def prepare_run_dirs(cfg, rank: int, writes_checkpoints: bool = True) -> tuple[str, DirLock | None]:
+def prepare_run_dirs(cfg, rank: int, key: str, writes_checkpoints: bool = True) -> tuple[str, DirLock | None]:
     """Make the run's folders ready (collective over every rank of the default group); returns the run id
-    shared by every rank and, on rank 0, the lock to release at the end."""
-    key = _KEY.format(next(_calls))
+    shared by every rank and, on rank 0, the lock to release at the end. ``key``: the store key of rank 0's
+    verdict, the same on every rank (``StoreBarriers.key(RUN_DIRS_VERDICT)``)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     store = dist.distributed_c10d._get_default_store() if world > 1 else None
     if rank != 0:

@@ -24,8 +24,6 @@ from ..parallel.launch import device_type_for, launched_rank, launched_world_siz
 from ..parallel.topology import Topology
 
 
-
-
 def parse_args(argv, family: str):
     parser = argparse.ArgumentParser(description=f"Pretrain a {family} model with megatron_domino.")
     parser.add_argument("--config", required=True, help="YAML config (see configs/)")
@@ -66,7 +64,7 @@ def main(argv=None, family: str = "GPT") -> int:
     except BaseException as error:  # noqa: BLE001 - reported once with coordinates, then a non-zero exit
         if isinstance(error, SystemExit) and not error.code:
             raise
-        status = _report_failure(error, cfg.log.dir)
+        status = _report_failure(error, cfg)
         sys.stderr.flush()
         os._exit(status)  # never hang in teardown on a dead peer
     return 0
@@ -76,22 +74,23 @@ _PEER_FAILURE_HINTS = ("connection closed", "connection reset", "timed out", "br
 _FIRST_REPORT_KEY = "megatron_domino/first_failure"
 
 
-def _report_failure(error: BaseException, log_dir: str) -> int:
+def _report_failure(error: BaseException, cfg) -> int:
     """Print ``error`` for a person and return the exit status. Never raises: an error in the reporter would
     replace the one it reports, so it falls back to the plain traceback."""
     try:
-        return _report(error, log_dir)
+        return _report(error, cfg)
     except BaseException:  # noqa: BLE001
         traceback.print_exception(error)
         return 1
 
 
-def _report(error: BaseException, log_dir: str) -> int:
+def _report(error: BaseException, cfg) -> int:
     """Ctrl-C and a lost peer: one line. A bug: its traceback. A known error: the block, from the first rank."""
     from ..config.errors import KnownError
     from ..parallel.store_barrier import StoreBarrierTimeout
     from .signals import INTERRUPTED
-    rank, where = _rank_and_coordinates()
+    log_dir = cfg.log.dir
+    rank, where = _rank_and_coordinates(cfg.parallel)
     if isinstance(error, KeyboardInterrupt):
         _say(f"[{where}] interrupted (Ctrl-C) outside the training steps: exiting without saving")
         return INTERRUPTED
@@ -119,15 +118,17 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _rank_and_coordinates() -> tuple[int, str]:
+def _rank_and_coordinates(par) -> tuple[int, str]:
     """This rank and its coordinates ('rank 5 (tp 1, pp 1, dp 0)'), from as far as start-up got."""
     import torch.distributed as dist
 
-    from ..parallel import state
-    if state.is_initialized():
-        return state.get().rank, state.get().coordinates()
-    rank = dist.get_rank() if dist.is_initialized() else launched_rank()
-    return rank, f"rank {rank}"
+    if not dist.is_initialized():
+        return launched_rank(), f"rank {launched_rank()}"
+    rank = dist.get_rank()
+    try:
+        return rank, Topology.from_config(par, dist.get_world_size()).describe(rank)
+    except ValueError:  # the layout does not fit the world: name the rank alone
+        return rank, f"rank {rank}"
 
 
 def _write_traceback(error: BaseException, path: str) -> str:

@@ -23,16 +23,16 @@ from ..models.ring_attention import split_for_context_parallel
 from ..optim import LRSchedule
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..parallel import Topology, init_distributed
-from ..parallel import state as parallel_state
+from ..parallel.state import ParallelState
 from ..parallel.device import cuda
 from ..parallel.launch import collective_timeout_s
-from ..parallel.random import seed_streams
+from ..parallel.random import RNGTracker
 from ..parallel.store_barrier import Phase
 from ..pipeline.engine import PipelineEngine
 from ..pipeline.finalize_grads import finalize_grads
 from ..pipeline.stages import build_stage_chunks
 from .checkpoint import Checkpointer, load_phase, resolve_load_path, save_phase
-from .checkpoint_dir import prepare_run_dirs
+from .checkpoint_dir import RUN_DIRS_VERDICT, prepare_run_dirs
 from .guard import BadStepGuard
 from .metrics import MetricsWriter, Timers, device_peak_tflops, format_train_line, memory_gib
 from .moe_metrics import moe_metrics
@@ -55,10 +55,14 @@ class Trainer:
         par = cfg.parallel
         self.device = init_distributed(par.backend, collective_timeout_s(par))
         topology = Topology.from_config(par, dist.get_world_size())
-        self.state = parallel_state.initialize(topology, self.device, collective_timeout_s(par),
-                                                print_rank_map=print_rank_map, strict=par.strict_transport)
+        self.state = ParallelState(topology, self.device, collective_timeout_s(par), strict=par.strict_transport)
+        if print_rank_map:
+            table = self.state.rank_map()
+            if self.state.rank == 0:
+                print(table, flush=True)
         # before any model or index is built: an unusable folder fails in seconds, not at the first save
-        self.run_id, self.dir_lock = prepare_run_dirs(cfg, self.state.rank, writes_checkpoints)
+        verdict_key = self.state.barriers.key(RUN_DIRS_VERDICT)
+        self.run_id, self.dir_lock = prepare_run_dirs(cfg, self.state.rank, verdict_key, writes_checkpoints)
         try:
             self._build()
         except BaseException:
@@ -68,9 +72,10 @@ class Trainer:
     def _build(self) -> None:
         cfg = self.cfg
         par, train = cfg.parallel, cfg.train
-        seed_streams(train.seed, self.state.tp_rank, self.state.pp_rank, self.device)
+        self.rng = RNGTracker.seeded(train.seed, self.state.tp_rank, self.state.pp_rank, self.device)
         self.dtype = param_dtype(train)
-        self.chunks = build_stage_chunks(cfg, self.state, dtype=self.dtype, device=self.device, init_seed=train.seed)
+        self.chunks = build_stage_chunks(cfg, self.state, dtype=self.dtype, device=self.device, init_seed=train.seed,
+                                         rng=self.rng)
         self.optimizer = DistributedOptimizer(self.chunks, cfg.optimizer, dp_group=self.state.dp_cp_group,
                                               tp_rank=self.state.tp_rank,
                                               norm_groups=[self.state.tp_group, self.state.pp_group],
@@ -97,7 +102,7 @@ class Trainer:
         self.stragglers = (StragglerReport(self.state, cfg.log.straggler_interval, self.device, cfg.log.dir)
                            if cfg.log.straggler_interval else None)
         self._build_data()
-        self.checkpointer = Checkpointer(cfg, self.state, self.run_id)
+        self.checkpointer = Checkpointer(cfg, self.state, self.rng, self.run_id)
         if self.state.rank == 0:
             save_config(cfg, os.path.join(cfg.log.dir, "config.yaml"))
         self._maybe_load()
@@ -116,7 +121,8 @@ class Trainer:
         train = self.cfg.train
         eval_samples = train.eval_iters * train.global_batch_size
         evaluations = (train.steps // train.eval_interval + 1) if train.eval_interval else 1
-        phase = Phase("index build", self.cfg.data.index_build_timeout_s, "data.index_build_timeout_s")
+        phase = Phase("index build", self.cfg.data.index_build_timeout_s, "data.index_build_timeout_s",
+                      self.state.barriers)
         with self.watchdog.watching(phase):
             train_ds, valid_ds, _ = build_train_valid_test_datasets(
                 self.cfg, (train.steps * train.global_batch_size, evaluations * eval_samples, 0),
@@ -143,7 +149,7 @@ class Trainer:
         path = resolve_load_path(ckpt.load, ckpt.dir)
         if path is None:
             return
-        with self.watchdog.watching(load_phase(self.cfg)) as phase:
+        with self.watchdog.watching(load_phase(self.cfg, self.state.barriers)) as phase:
             metadata = self.checkpointer.load(path, chunks=self.chunks, optimizer=self.optimizer,
                                               lr_schedule=self.lr_schedule, phase=phase)
         if metadata.get("has_optimizer"):
@@ -158,7 +164,7 @@ class Trainer:
         if not ckpt.dir:
             return
         self.phase = "saving a checkpoint"
-        with self.watchdog.watching(save_phase(self.cfg)) as phase:
+        with self.watchdog.watching(save_phase(self.cfg, self.state.barriers)) as phase:
             path = self.checkpointer.save(ckpt.dir, self.step, chunks=self.chunks, optimizer=self.optimizer,
                                           lr_schedule=self.lr_schedule, consumed_samples=self._consumed, keep=ckpt.keep,
                                           phase=phase)
@@ -345,7 +351,7 @@ class Trainer:
         self.release_checkpoint_dir()
         self.watchdog.close()
         self.metrics.close()
-        parallel_state.destroy()
+        self.state.destroy()
 
 
 def run(cfg, eval_only: bool = False) -> None:
