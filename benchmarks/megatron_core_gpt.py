@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as F
 
 import common  # noqa: F401 - puts the repository on sys.path
-from megatron_domino.config import ConfigError, load_config, validate_config
+from megatron_domino.config import ConfigError, load_config
+from megatron_domino.validation import validate_config
 from megatron_domino.data import MicroBatchLoader, build_train_valid_test_datasets
 from megatron_domino.models.counters import count_parameters, flops_per_token
 from megatron_domino.optim import LRSchedule

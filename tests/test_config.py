@@ -9,9 +9,10 @@ import pytest
 
 from megatron_domino.config import (
     Config, ConfigError, DataBlend, ModelConfig, config_from_dict, config_to_dict, load_config, parse_data_path,
-    save_config, validate_config,
+    save_config,
 )
-from megatron_domino.config.validate import ROW_SPLIT_WARNING
+from megatron_domino.domino.plan import ROW_SPLIT_WARNING
+from megatron_domino.validation import validate_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, "configs", "**", "*.yaml"), recursive=True))
@@ -261,6 +262,8 @@ INVALID = [  # (overrides, world size, offending key)
     (["model.num_experts=4", "log.sync_debug=true"], 1, "log.sync_debug"),  # routing reads counts on the host
     (["train.fp16=true", "log.sync_debug=true"], 1, "log.sync_debug"),     # the loss scaler reads its flag
     (["data.mock_document_tokens=0"], 1, "data.mock_document_tokens"),
+    (["parallel.pp=2", "model.num_layers=4", "parallel.pipeline_layout=[1,3]",
+      "parallel.pipeline_partition=parameters"], 2, "parallel.pipeline_layout"),  # the layout and the balancer both
 ]
 
 
@@ -412,3 +415,41 @@ def test_rope_scaling_only_in_llama_3_1():
     scaled = load_config(os.path.join(REPO, "configs", "llama", "llama3.1-8b.yaml")).model
     assert (scaled.rope_scaling_factor, scaled.rope_low_freq_factor, scaled.rope_high_freq_factor,
             scaled.rope_original_max_position, scaled.rope_base) == (8.0, 1.0, 4.0, 8192, 500000.0)
+
+
+def _owner_refusal(cfg, world_size):
+    """What the part that owns the rule raises when it is built from ``cfg`` (the rank grid, Domino's plan,
+    the layer partition, the schedule), or None when every part accepts it."""
+    from megatron_domino.domino.plan import DominoPlan
+    from megatron_domino.parallel import Topology
+    from megatron_domino.pipeline.schedules import schedule_for
+    from megatron_domino.pipeline.stages import layer_partition
+    try:
+        topology = Topology.from_config(cfg.parallel, world_size)
+        DominoPlan.from_config(cfg.parallel)
+        layer_partition(cfg)
+        schedule_for(cfg.parallel, cfg.train.num_microbatches(topology.dp))
+    except ConfigError as error:
+        return error
+    return None
+
+
+@pytest.mark.parametrize("overrides, world_size", [
+    (["parallel.tp=2"], 3), (["parallel.dp=2"], 4), (["parallel.order=tp-pp"], 1), (["parallel.ep=3"], 4),
+    (["parallel.tp=2", "parallel.expert_tp=3"], 2), (["parallel.domino_chunks=0"], 1),
+    (["parallel.domino_overlap=both"], 1), (["parallel.pp=2", "model.num_layers=3"], 2),
+    (["parallel.pp=2", "parallel.pipeline_layout=[0,2]"], 2),
+    (["parallel.pp=2", "model.num_layers=4", "parallel.pipeline_layout=[1,3]",
+      "parallel.pipeline_partition=parameters"], 2),
+    (["parallel.pp=2", "parallel.virtual_pp=2", "model.num_layers=4", "train.global_batch_size=6"], 2),
+    (["parallel.pp=2", "parallel.virtual_pp=2", "model.num_layers=4", "parallel.pipeline_schedule=zb-h1"], 2),
+    (["parallel.pp=2", "parallel.pipeline_schedule=interleaved"], 2),
+])
+def test_each_rule_has_one_home_that_the_validator_and_the_owner_share(overrides, world_size):
+    """validate_config reports exactly what the owning part refuses when it is built: one function each."""
+    cfg = load_config(None, BASE + overrides)
+    owned = _owner_refusal(cfg, world_size)
+    assert owned is not None, overrides
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg, world_size=world_size, check_paths=False)
+    assert all(problem in err.value.problems for problem in owned.problems), (owned.problems, err.value.problems)

@@ -11,7 +11,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from megatron_domino.config import ConfigError, validate_config
+from megatron_domino.config import ConfigError
+from megatron_domino.validation import validate_config
 from megatron_domino.config.schema import Config, OptimizerConfig
 from megatron_domino.data.loader import collate
 from megatron_domino.data.sample import make_sample

@@ -13,7 +13,8 @@ from dataclasses import replace
 import pytest
 import torch.distributed as dist
 
-from megatron_domino.config import ConfigError, validate_config
+from megatron_domino.config import ConfigError
+from megatron_domino.validation import validate_config
 from megatron_domino.config.loader import load_config
 from tests.harness import run_ranks
 from tests.parity import assert_covered, assert_same_run, layout_config, train_steps

@@ -4,7 +4,8 @@ import os
 import pytest
 import torch
 
-from megatron_domino.config import load_config, validate_config
+from megatron_domino.config import load_config
+from megatron_domino.validation import validate_config
 from megatron_domino.parallel import launch
 
 

@@ -4,7 +4,8 @@ from itertools import combinations
 
 import pytest
 
-from megatron_domino.pipeline.partition import partition_layers, stage_layers
+from megatron_domino.config import ConfigError
+from megatron_domino.pipeline.partition import partition_layers, stage_layers, uniform_counts
 
 
 def counts(partition):
@@ -37,26 +38,26 @@ def loads_of(partition, costs, extra_first, extra_last):
     return loads
 
 
-def test_uniform_even_and_remainder_to_the_middle():
+def test_uniform_is_even_and_the_suggested_layout_puts_the_remainder_in_the_middle():
+    """The uniform split needs equal stages (the same rule validate_config applies: one home,
+    ``check_partition``); for an uneven model the refusal suggests ``uniform_counts``'s layout."""
     assert partition_layers(8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert counts(partition_layers(30, 4)) == [7, 8, 8, 7]
-    assert counts(partition_layers(31, 4)) == [8, 8, 8, 7]  # tie between the ends goes to the first
-    assert counts(partition_layers(11, 5)) == [2, 2, 3, 2, 2]
+    assert partition_layers(8, 2, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ConfigError, match=r"model.num_layers = 30: must be divisible .*\(e\.g\. \[7, 8, 8, 7\]\)"):
+        partition_layers(30, 4)
+    assert uniform_counts(31, 4) == [8, 8, 8, 7]  # tie between the ends goes to the first
+    assert uniform_counts(11, 5) == [2, 2, 3, 2, 2]
     for num_layers in range(1, 40):
-        for pp in range(1, 6):
-            for v in range(1, 4):
-                stages = pp * v
-                if num_layers < stages:
-                    continue
-                part = partition_layers(num_layers, pp, v)
-                assert_covers(part, num_layers, stages)
-                sizes = counts(part)
-                assert max(sizes) - min(sizes) <= 1
-                centre = (stages - 1) / 2
-                big = [s for s in range(stages) if sizes[s] > min(sizes)]
-                small = [s for s in range(stages) if sizes[s] == min(sizes)]
-                if big:  # every stage given an extra layer is at least as central as every stage without one
-                    assert max(abs(s - centre) for s in big) <= min(abs(s - centre) for s in small)
+        for stages in range(1, 16):
+            if num_layers < stages:
+                continue
+            sizes = uniform_counts(num_layers, stages)
+            assert sum(sizes) == num_layers and max(sizes) - min(sizes) <= 1
+            centre = (stages - 1) / 2
+            big = [s for s in range(stages) if sizes[s] > min(sizes)]
+            small = [s for s in range(stages) if sizes[s] == min(sizes)]
+            if big:  # every stage given an extra layer is at least as central as every stage without one
+                assert max(abs(s - centre) for s in big) <= min(abs(s - centre) for s in small)
 
 
 def test_parameters_is_optimal_against_brute_force():
@@ -100,12 +101,12 @@ def test_explicit_layout_and_stage_layers():
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(layout=[7, 7, 7, 7]), ["parallel.pipeline_layout = [7, 7, 7, 7]", "sums to 28 but model.num_layers = 30",
-                                 "fix: e.g. [7, 8, 8, 7]"]),
-    (dict(layout=[15, 15]), ["parallel.pipeline_layout", "2 entries", "parallel.pp * parallel.virtual_pp", "fix"]),
-    (dict(layout=[0, 10, 10, 10]), ["parallel.pipeline_layout", "at least 1", "fix"]),
-    (dict(layout=[7.5, 7.5, 7, 8]), ["parallel.pipeline_layout", "integer", "fix"]),
+                                 "Fix: e.g. [7, 8, 8, 7]"]),
+    (dict(layout=[15, 15]), ["parallel.pipeline_layout", "2 entries", "parallel.pp * parallel.virtual_pp", "Fix"]),
+    (dict(layout=[0, 10, 10, 10]), ["parallel.pipeline_layout", "at least 1", "Fix"]),
+    (dict(layout=[7.5, 7.5, 7, 8]), ["parallel.pipeline_layout", "integer", "Fix"]),
     (dict(layout=[7, 8, 8, 7], method="parameters"), ["parallel.pipeline_layout", "parallel.pipeline_partition"]),
-    (dict(method="greedy"), ["parallel.pipeline_partition = 'greedy'", "fix"]),
+    (dict(method="greedy"), ["parallel.pipeline_partition = 'greedy'", "Fix"]),
     (dict(method="parameters", layer_costs=[1.0] * 29), ["model.num_layers = 30", "29 layer costs", "fix"]),
     (dict(method="parameters", layer_costs=[-1.0] * 30), ["non-negative", "fix"]),
 ])
@@ -116,7 +117,7 @@ def test_partition_errors(kwargs, words):
 
 
 def test_too_few_layers_and_bad_sizes():
-    with pytest.raises(ValueError, match=r"model.num_layers = 6 .*parallel.pp \* parallel.virtual_pp = 4 \* 2 = 8"):
+    with pytest.raises(ValueError, match=r"model.num_layers = 6: .*parallel.pp \* parallel.virtual_pp = 4 \* 2 = 8"):
         partition_layers(6, 4, 2)
     with pytest.raises(ValueError, match="parallel.pp = 0"):
         partition_layers(6, 0)

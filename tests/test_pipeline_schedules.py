@@ -199,14 +199,14 @@ def test_zb_h1_matches_its_closed_form_and_holds_1f1b_memory():
 
 
 @pytest.mark.parametrize("args, words", [
-    (("none", 2, 4), ["parallel.pp = 2", "fix"]),
+    (("none", 2, 4), ["parallel.pp = 2", "Fix"]),
     (("1f1b", 2, 4, 2), ["parallel.virtual_pp = 2", "interleaved"]),
-    (("interleaved", 1, 4, 2), ["parallel.pp = 1", "fix"]),
-    (("interleaved", 2, 4, 1), ["parallel.virtual_pp = 1", "fix"]),
-    (("interleaved", 4, 6, 2), ["train.global_batch_size", "= 6", "parallel.pp = 4", "parallel.virtual_pp", "fix"]),
+    (("interleaved", 1, 4, 2), ["parallel.pp = 1", "Fix"]),
+    (("interleaved", 2, 4, 1), ["parallel.virtual_pp = 1", "Fix"]),
+    (("interleaved", 4, 6, 2), ["train.global_batch_size", "= 6", "parallel.pp = 4", "parallel.virtual_pp", "Fix"]),
     (("1f1b", 2, 0), ["train.global_batch_size", "fix"]),
     (("gpipe", 2, 4), ["'gpipe'", "1f1b", "zb-h1"]),
-    (("zb-h1", 2, 4, 2), ["'zb-h1'", "parallel.virtual_pp = 2", "fix"]),
+    (("zb-h1", 2, 4, 2), ["'zb-h1'", "parallel.virtual_pp = 2", "Fix"]),
 ])
 def test_build_errors(args, words):
     with pytest.raises(ValueError) as err:

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_domino.config import load_config, validate_config
+from megatron_domino.config import load_config
+from megatron_domino.validation import validate_config
 from megatron_domino.domino.plan import DominoPlan
 from megatron_domino.models import LanguageModel
 from megatron_domino.parallel import comm
@@ -209,7 +210,7 @@ def test_estimate_matches_a_real_cpu_training_step(path, overrides):
 # ----- schedules: in-flight micro-batches and the bubble vs the simulator -----------------------------
 @pytest.mark.parametrize("pp,m,v", [(4, 8, 1), (4, 2, 1), (2, 4, 2), (4, 12, 3), (4, 4, 2)])
 def test_in_flight_and_bubble_match_the_simulator(pp, m, v):
-    cfg = _tiny(GPT, f"parallel.pp={pp}", f"parallel.virtual_pp={v}", "model.num_layers=12",
+    cfg = _tiny(GPT, f"parallel.pp={pp}", f"parallel.virtual_pp={v}", "model.num_layers=24",
                 f"train.global_batch_size={2 * m}")
     kind = "1f1b" if v == 1 else "interleaved"
     simulated = simulate(build_schedule(kind, pp, m, v), m, v, Costs(forward=1 / v, backward=2 / v))

@@ -8,7 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_domino.config import load_config, validate_config
+from megatron_domino.config import load_config
+from megatron_domino.validation import validate_config
 from megatron_domino.planner.hardware import get_gpu
 from megatron_domino.planner.memory import chunk_activation_bytes, estimate_memory, rank_parameters
 from megatron_domino.planner.report import format_table

@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from megatron_domino.config import load_config, validate_config
+from megatron_domino.config import load_config
+from megatron_domino.validation import validate_config
 from megatron_domino.models import LanguageModel
 from megatron_domino.pipeline.program import virtual_stage
 from megatron_domino.pipeline.stages import layer_partition

@@ -115,8 +115,8 @@ def test_dp_inferred_and_rank_map():
 
 
 @pytest.mark.parametrize("kwargs, key", [
-    (dict(world_size=8, tp=3), "parallel.tp * parallel.cp * parallel.pp"),
-    (dict(world_size=8, tp=2, cp=3), "parallel.tp * parallel.cp * parallel.pp"),
+    (dict(world_size=8, tp=3), "parallel.dp = None: null infers world_size"),
+    (dict(world_size=8, tp=2, cp=3), "parallel.dp = None: null infers world_size"),
     (dict(world_size=8, cp=0), "parallel.cp"),
     (dict(world_size=8, tp=2, pp=2, dp=3), "parallel.dp"),
     (dict(world_size=8, tp=0), "parallel.tp"),

@@ -1,4 +1,5 @@
-"""Run configuration: schema, YAML loading with includes and overrides, validation."""
+"""Run configuration: schema, YAML loading with includes and overrides, the rules of its own sections
+(``megatron_domino.validation.validate_config`` checks a whole run)."""
 from .data_path import DataBlend, parse_data_path
 from .errors import ConfigError, Problem
 from .loader import config_from_dict, config_to_dict, load_config, save_config
@@ -13,4 +14,3 @@ from .schema import (
     TokenizerConfig,
     TrainConfig,
 )
-from .validate import validate_config

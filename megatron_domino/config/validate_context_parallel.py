@@ -1,4 +1,5 @@
-"""The context-parallel rules (``parallel.cp`` > 1), part of ``validate``: what ring attention can run."""
+"""The context-parallel rules (``parallel.cp`` > 1), gathered by ``megatron_domino.validation``: what ring
+attention can run."""
 from __future__ import annotations
 
 from .schema import Config
@@ -6,7 +7,7 @@ from .schema import Config
 
 def check_context_parallel(c, cfg: Config) -> None:
     """Ring attention's limits: two equal chunks per CP rank, flash-style kernels, no attention dropout.
-    ``c`` is ``validate._Checks``."""
+    ``c`` is a ``config.checks.Checks``."""
     p, m = cfg.parallel, cfg.model
     if m.seq_length >= 1:
         c.divides("model.seq_length", m.seq_length, 2 * p.cp,

@@ -1,4 +1,5 @@
-"""The mixture-of-experts rules (``model.num_experts`` and friends, ``parallel.ep``), part of ``validate``.
+"""The mixture-of-experts rules (``model.num_experts`` and friends, ``parallel.ep``), gathered by
+``megatron_domino.validation`` (ep inside dp and expert TP 1 or tp are the rank grid's, in ``check_topology``).
 
 Kept apart from the dense rules because none of them applies to a dense model.
 """
@@ -7,14 +8,14 @@ from __future__ import annotations
 from .schema import MOE_ROUTERS, Config
 
 
-def check_moe(c, cfg: Config, dp: int | None) -> None:
-    """``c`` is ``validate._Checks``; ``dp`` the data-parallel size when known."""
+def check_moe(c, cfg: Config) -> None:
+    """``c`` is a ``config.checks.Checks``."""
     m, p = cfg.model, cfg.parallel
     if m.num_experts is not None and m.num_experts < 0:
         c.fail("model.num_experts", m.num_experts, "must be null or 0 (dense) or positive",
                "set model.num_experts to the number of experts, or null for a dense model")
-    if not c.positive("parallel.ep", p.ep):
-        return
+    if not (isinstance(p.ep, int) and p.ep >= 1):
+        return  # check_topology names it
     if not m.num_experts:
         if p.ep > 1:
             c.fail("parallel.ep", p.ep, "expert parallelism needs experts (model.num_experts is unset)",
@@ -44,7 +45,7 @@ def check_moe(c, cfg: Config, dp: int | None) -> None:
                "the expert batches), a host sync that sync_debug makes an error",
                "set log.sync_debug=false for MoE runs")
     _check_layer_freq(c, m)
-    _check_ep(c, m, p, dp)
+    _check_ep(c, m, p)
 
 
 def _check_layer_freq(c, m) -> None:
@@ -60,18 +61,12 @@ def _check_layer_freq(c, m) -> None:
                "use 1 to make every layer MoE")
 
 
-def _check_ep(c, m, p, dp: int | None) -> None:
-    """Megatron's rules: ep ranks come from the data-parallel ones, each holds num_experts / ep; whole experts
-    (expert TP 1) are shared out over tp x ep ranks."""
-    if dp is not None and dp % p.ep:
-        c.fail("parallel.ep", p.ep, f"must divide the data-parallel size {dp} (expert ranks are data-parallel ranks)",
-               "choose an ep that divides dp")
+def _check_ep(c, m, p) -> None:
+    """Megatron's rules: each ep rank holds num_experts / ep; whole experts (expert TP 1) are shared out over
+    tp x ep ranks."""
     if m.num_experts % p.ep:
         c.fail("parallel.ep", p.ep, f"must divide model.num_experts = {m.num_experts}",
                "choose an ep that divides the number of experts")
-    if p.expert_tp not in (None, 1, p.tp):
-        c.fail("parallel.expert_tp", p.expert_tp, f"must be 1 or parallel.tp = {p.tp}",
-               "leave it unset (experts split over TP like the MLP) or set 1 (whole experts)")
-    elif p.expert_tp == 1 and not m.num_experts % p.ep and m.num_experts % (p.tp * p.ep):
+    elif p.expert_tp == 1 and m.num_experts % (p.tp * p.ep):
         c.fail("parallel.expert_tp", 1, f"whole experts are shared out over tp x ep = {p.tp * p.ep} ranks, which must "
                f"divide model.num_experts = {m.num_experts}", "lower tp or ep, or leave parallel.expert_tp unset")

@@ -15,7 +15,8 @@ import torch
 
 from .. import checkpoint_format as fmt
 from ..checkpoint_format import tensors
-from ..config import Config, ConfigError, config_from_dict, config_to_dict, validate_config
+from ..config import Config, ConfigError, config_from_dict, config_to_dict
+from ..validation import validate_config
 from .hf_io import TensorView
 
 MODEL = "model/"  # stored names of the weights; the optimizer's are under "optim/"

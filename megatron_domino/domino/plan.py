@@ -9,8 +9,23 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+from ..config.checks import Checks
 from ..config.schema import DOMINO_OVERLAPS as OVERLAPS
 from ..config.schema import DOMINO_SPLITS as SPLITS
+
+ROW_SPLIT_WARNING = ("parallel.domino_split=row needs train.micro_batch_size >= 2; "
+                     "micro batch 1 runs the column split instead")
+
+
+def check_domino(c: Checks, enabled: bool, chunks: int, split: str, overlap: str,
+                 micro_batch_size: int | None = None) -> None:
+    """The rules of ``parallel.domino_*``, for ``DominoPlan`` and ``validate_config`` alike; with the micro
+    batch known, the warning that a row split of one sample runs the column split."""
+    c.positive("parallel.domino_chunks", chunks)
+    c.one_of("parallel.domino_split", split, SPLITS)
+    c.one_of("parallel.domino_overlap", overlap, OVERLAPS)
+    if enabled and split == "row" and micro_batch_size is not None and micro_batch_size < 2:
+        c.warnings.append(ROW_SPLIT_WARNING)
 
 
 @dataclass(frozen=True)
@@ -25,13 +40,9 @@ class DominoPlan:
         return cls(parallel.domino, parallel.domino_chunks, parallel.domino_split, parallel.domino_overlap)
 
     def __post_init__(self):
-        if self.split not in SPLITS:
-            raise ValueError(f"parallel.domino_split = {self.split!r}: must be one of {SPLITS}. Fix: use 'row'.")
-        if self.overlap not in OVERLAPS:
-            raise ValueError(f"parallel.domino_overlap = {self.overlap!r}: must be one of {OVERLAPS}. "
-                             f"Fix: use 'inter'.")
-        if self.chunks < 1:
-            raise ValueError(f"parallel.domino_chunks = {self.chunks}: must be >= 1. Fix: use 2.")
+        c = Checks()
+        check_domino(c, self.enabled, self.chunks, self.split, self.overlap)
+        c.raise_problems()
 
     @property
     def grad_pieces(self) -> int:
@@ -54,7 +65,6 @@ class DominoPlan:
             _warn_once("Domino: micro batch 1 cannot be split by rows; using the column split for it")
             columns = self.chunks
         return rows, columns
-
 
     def overrides(self) -> list[str]:
         """The config overrides that select this plan."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import product
 
+from ..config.checks import Checks
 from ..config.schema import AXES, full_order
 
 
@@ -33,39 +34,53 @@ class Coordinate:
     cp: int = 0
 
 
+def check_topology(c: Checks, world_size: int | None, tp: int = 1, pp: int = 1, dp: int | None = None,
+                   virtual_pp: int = 1, order: str = "tp-cp-dp-pp", cp: int = 1, ep: int = 1,
+                   expert_tp: int | None = None) -> int | None:
+    """The rules of the rank grid, for ``Topology`` and ``validate_config`` alike: positive sizes,
+    tp * cp * pp * dp = the world (when known), ep inside dp, expert TP 1 or tp, a full axis order.
+    Returns dp, inferred from the world when unset (None when unknown or broken)."""
+    sizes_ok = all([c.positive("parallel.tp", tp), c.positive("parallel.pp", pp), c.positive("parallel.cp", cp),
+                    c.positive("parallel.dp", dp, optional=True), c.positive("parallel.virtual_pp", virtual_pp),
+                    c.positive("parallel.ep", ep)])
+    if sorted(full_order(order).split("-")) != sorted(AXES):
+        c.fail("parallel.order", order, "must be a permutation of tp, cp, dp, pp joined by '-' (cp may be left out)",
+               "use 'tp-cp-dp-pp' (TP innermost, Megatron's default)")
+    if expert_tp not in (None, 1, tp):
+        c.fail("parallel.expert_tp", expert_tp, f"must be 1 or parallel.tp = {tp}",
+               "leave it unset (experts split over TP like the MLP) or set 1 (whole experts shared out over tp x ep "
+               "ranks)")
+    if not sizes_ok or world_size is None:
+        return dp if sizes_ok else None
+    model = tp * cp * pp
+    if dp is None and world_size % model:
+        c.fail("parallel.dp", None, f"null infers world_size / (tp * cp * pp), but world size {world_size} is not "
+               f"divisible by tp * cp * pp = {model}", f"launch a multiple of {model} processes or change tp/cp/pp")
+        return None
+    if dp is None:
+        dp = world_size // model
+    elif model * dp != world_size:
+        fix = (f"set parallel.dp={world_size // model} or null" if world_size % model == 0
+               else f"launch {model * dp} processes")
+        c.fail("parallel.dp", dp, f"tp * cp * pp * dp = {model * dp} must equal the world size {world_size}", fix)
+        return None
+    if dp % ep:
+        c.fail("parallel.ep", ep, f"must divide the data-parallel size {dp} (expert ranks are data-parallel ranks)",
+               "choose an ep that divides dp")
+    return dp
+
+
 class Topology:
     """World size cut into tp x cp x pp x dp; ``order`` names the axes innermost first ("tp-cp-dp-pp")."""
 
     def __init__(self, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
                  virtual_pp: int = 1, order: str = "tp-cp-dp-pp", cp: int = 1, ep: int = 1,
                  expert_tp: int | None = None):
-        for name, value in (("world_size", world_size), ("parallel.tp", tp), ("parallel.pp", pp),
-                            ("parallel.virtual_pp", virtual_pp), ("parallel.cp", cp), ("parallel.ep", ep)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} = {value!r}: must be a positive integer. Fix: set it to 1 or more.")
-        model = tp * cp * pp
-        if dp is None:
-            if world_size % model:
-                raise ValueError(
-                    f"parallel.tp * parallel.cp * parallel.pp = {model}: must divide the world size {world_size} to "
-                    f"infer parallel.dp. Fix: launch a multiple of {model} ranks or change tp/cp/pp.")
-            dp = world_size // model
-        if model * dp != world_size:
-            raise ValueError(
-                f"parallel.dp = {dp}: tp * cp * pp * dp = {tp}*{cp}*{pp}*{dp} = {model * dp} must equal the world "
-                f"size {world_size}. Fix: set parallel.dp={world_size // model if world_size % model == 0 else '?'} "
-                f"or launch {model * dp} ranks.")
-        if dp % ep:
-            raise ValueError(f"parallel.ep = {ep}: must divide the data-parallel size {dp} (expert-parallel ranks are "
-                             f"data-parallel ranks). Fix: choose an ep that divides {dp}.")
-        if expert_tp not in (None, 1, tp):
-            raise ValueError(f"parallel.expert_tp = {expert_tp}: must be 1 or parallel.tp = {tp}. Fix: leave it unset "
-                             f"(experts split like the MLP) or set 1 (whole experts shared out over tp x ep ranks)")
+        c = Checks()
+        dp = check_topology(c, world_size, tp, pp, dp, virtual_pp, order, cp, ep, expert_tp)
+        c.raise_problems()
         self.expert_tp = tp if expert_tp is None else expert_tp
         axes = full_order(order).split("-")
-        if sorted(axes) != sorted(AXES):
-            raise ValueError(f"parallel.order = {order!r}: must be a permutation of tp, cp, dp, pp joined by '-' "
-                             f"(cp may be left out). Fix: use 'tp-cp-dp-pp' (TP innermost, Megatron's default).")
         self.world_size, self.tp, self.cp, self.pp, self.dp, self.ep = world_size, tp, cp, pp, dp, ep
         self.virtual_pp, self.order = virtual_pp, "-".join(axes)
         self.sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}

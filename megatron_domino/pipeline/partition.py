@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from itertools import accumulate
 
+from ..config.checks import Checks
 from ..config.schema import PIPELINE_PARTITIONS
 from .program import virtual_stage
-
 
 
 def _counts_to_layers(counts: list[int]) -> list[list[int]]:
@@ -79,23 +79,41 @@ def balanced_counts(costs: list[float], num_stages: int, extra_first: float = 0.
     return counts
 
 
-def _check_layout(layout, num_layers: int, pp: int, virtual_pp: int) -> list[int]:
+def check_partition(c: Checks, num_layers: int, pp: int, virtual_pp: int, method: str = "uniform",
+                    layout=None) -> None:
+    """The rules of ``parallel.pipeline_layout`` / ``pipeline_partition``: every virtual stage gets at least one
+    layer and every layer one stage; the uniform split needs equal stages (Megatron's rule), an uneven model
+    takes ``parameters`` or an explicit layout. ``validate_config`` runs these, and so does ``partition_layers``."""
+    if not all([c.positive("parallel.pp", pp), c.positive("parallel.virtual_pp", virtual_pp)]):
+        return
     stages = pp * virtual_pp
+    need = f"parallel.pp * parallel.virtual_pp = {pp} * {virtual_pp} = {stages} virtual stages"
     hint = (f"e.g. {uniform_counts(num_layers, stages)}" if num_layers >= stages
             else "lower parallel.pp or parallel.virtual_pp so every stage can get a layer")
-    where = f"parallel.pipeline_layout = {layout}"
-    if not isinstance(layout, (list, tuple)) or not all(isinstance(c, int) and not isinstance(c, bool)
-                                                        for c in layout):
-        raise ValueError(f"{where} must be a list of integer layer counts, one per virtual stage; fix: {hint}")
-    if len(layout) != stages:
-        raise ValueError(f"{where} has {len(layout)} entries but parallel.pp * parallel.virtual_pp = "
-                         f"{pp} * {virtual_pp} = {stages} virtual stages need one each; fix: {hint}")
-    if any(c < 1 for c in layout):
-        raise ValueError(f"{where} gives a stage {min(layout)} layers but every stage needs at least 1; fix: {hint}")
-    if sum(layout) != num_layers:
-        raise ValueError(f"{where} sums to {sum(layout)} but model.num_layers = {num_layers}; every layer must be "
-                         f"placed exactly once; fix: {hint}")
-    return list(layout)
+    if layout is not None:
+        key = "parallel.pipeline_layout"
+        if method != "uniform":
+            c.fail(key, layout, f"fixes the split, so parallel.pipeline_partition = {method!r} cannot also balance it",
+                   "drop one of the two settings")
+        elif not isinstance(layout, (list, tuple)) or not all(isinstance(n, int) and not isinstance(n, bool)
+                                                              for n in layout):
+            c.fail(key, layout, "must be a list of integer layer counts, one per virtual stage", hint)
+        elif len(layout) != stages:
+            c.fail(key, layout, f"has {len(layout)} entries but {need} need one each", hint)
+        elif any(n < 1 for n in layout):
+            c.fail(key, layout, f"gives a stage {min(layout)} layers but every stage needs at least 1", hint)
+        elif sum(layout) != num_layers:
+            c.fail(key, layout, f"sums to {sum(layout)} but model.num_layers = {num_layers}; every layer must be "
+                   f"placed exactly once", hint)
+        return
+    c.one_of("parallel.pipeline_partition", method, PIPELINE_PARTITIONS)
+    if num_layers < stages:
+        c.fail("model.num_layers", num_layers, f"cannot fill {need} with at least one layer each",
+               "lower parallel.pp or parallel.virtual_pp, or raise model.num_layers")
+    elif method == "uniform" and num_layers % stages:
+        c.fail("model.num_layers", num_layers, f"must be divisible by {need} for the uniform split",
+               f"change model.num_layers or parallel.pp, or use parallel.pipeline_partition=parameters or an "
+               f"explicit parallel.pipeline_layout ({hint})")
 
 
 def partition_layers(num_layers: int, pp: int, virtual_pp: int = 1, method: str = "uniform",
@@ -104,29 +122,20 @@ def partition_layers(num_layers: int, pp: int, virtual_pp: int = 1, method: str 
     """Global layer indices held by each virtual stage 0..pp*virtual_pp-1 (contiguous, in order).
 
     ``layout`` (parallel.pipeline_layout) fixes the layer count per virtual stage and wins over ``method``.
-    "uniform" splits evenly (see ``uniform_counts``); "parameters" (parallel.pipeline_partition) balances
-    ``layer_costs`` (default 1 per layer) plus ``extra_first``/``extra_last`` for the embedding and head.
+    "uniform" splits evenly; "parameters" (parallel.pipeline_partition) balances ``layer_costs`` (default 1
+    per layer) plus ``extra_first``/``extra_last`` for the embedding and head. A layout that breaks
+    ``check_partition`` raises its ``ConfigError``.
     """
-    if pp < 1 or virtual_pp < 1:
-        raise ValueError(f"parallel.pp = {pp} and parallel.virtual_pp = {virtual_pp} must both be >= 1; "
-                         f"fix: set them to 1 or more")
+    c = Checks()
+    check_partition(c, num_layers, pp, virtual_pp, method, layout)
+    c.raise_problems()
     stages = pp * virtual_pp
     if layout is not None:
-        if method != "uniform":
-            raise ValueError(f"parallel.pipeline_layout = {layout} fixes the split, so parallel.pipeline_partition "
-                             f"= {method!r} cannot also balance it; fix: drop one of the two settings")
-        return _counts_to_layers(_check_layout(layout, num_layers, pp, virtual_pp))
-    if method not in PIPELINE_PARTITIONS:
-        raise ValueError(f"parallel.pipeline_partition = {method!r} is not one of {', '.join(PIPELINE_PARTITIONS)}; "
-                         f"fix: use 'uniform', 'parameters', or set parallel.pipeline_layout")
-    if num_layers < stages:
-        raise ValueError(f"model.num_layers = {num_layers} cannot fill parallel.pp * parallel.virtual_pp = "
-                         f"{pp} * {virtual_pp} = {stages} virtual stages with at least one layer each; "
-                         f"fix: lower parallel.pp or parallel.virtual_pp, or raise model.num_layers")
+        return _counts_to_layers(list(layout))
     if method == "uniform":
         return _counts_to_layers(uniform_counts(num_layers, stages))
-    costs = [1.0] * num_layers if layer_costs is None else [float(c) for c in layer_costs]
-    if len(costs) != num_layers or any(c < 0 for c in costs) or min(extra_first, extra_last) < 0:
+    costs = [1.0] * num_layers if layer_costs is None else [float(n) for n in layer_costs]
+    if len(costs) != num_layers or any(n < 0 for n in costs) or min(extra_first, extra_last) < 0:
         raise ValueError(f"parallel.pipeline_partition = 'parameters' needs one non-negative cost per layer "
                          f"(model.num_layers = {num_layers}) and non-negative embedding/head extras, got "
                          f"{len(costs)} layer costs, extra_first = {extra_first}, extra_last = {extra_last}; "

@@ -16,10 +16,12 @@ Every rank visits forwards (and, separately, backwards) in the same rank-indepen
 """
 from __future__ import annotations
 
+from ..config.checks import Checks
+from ..config.schema import PIPELINE_SCHEDULES
 from .program import Instruction, add_transfers
 from .zero_bubble import zb_h1_programs
 
-KINDS = ("none", "1f1b", "interleaved", "zb-h1")
+KINDS = ("none",) + PIPELINE_SCHEDULES  # "none": pp 1, gradient accumulation
 
 
 def _one_forward_one_backward(forwards: list, backwards: list, warmup: int) -> list[list[Instruction]]:
@@ -71,33 +73,31 @@ def schedule_kind(pp: int, virtual_pp: int, requested: str | None = None) -> str
     return "interleaved" if virtual_pp > 1 else "1f1b"
 
 
-def _validate(kind: str, pp: int, m: int, v: int) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"pipeline schedule kind {kind!r} is not one of {', '.join(KINDS)}; "
-                         f"fix: use 'none' for parallel.pp = 1, '1f1b', 'zb-h1', or 'interleaved' with "
-                         f"parallel.virtual_pp > 1")
-    if pp < 1 or v < 1:
-        raise ValueError(f"parallel.pp = {pp} and parallel.virtual_pp = {v} must both be >= 1; "
-                         f"fix: set them to 1 or more")
-    if m < 1:
-        raise ValueError(f"the number of micro-batches (train.global_batch_size / (train.micro_batch_size * dp)) "
-                         f"is {m} but must be >= 1; fix: raise train.global_batch_size")
-    if kind == "none" and (pp != 1 or v != 1):
-        raise ValueError(f"schedule 'none' runs without a pipeline but parallel.pp = {pp}, parallel.virtual_pp = {v}; "
-                         f"fix: set parallel.pp: 1 and parallel.virtual_pp: 1, or use the '1f1b' schedule")
-    if kind in ("1f1b", "zb-h1") and v != 1:
-        raise ValueError(f"schedule {kind!r} holds one model chunk per rank but parallel.virtual_pp = {v}; "
-                         f"fix: set parallel.virtual_pp: 1, or use the 'interleaved' schedule")
-    if kind == "interleaved":
-        if pp < 2 or v < 2:
-            raise ValueError(f"the interleaved schedule needs parallel.pp > 1 and parallel.virtual_pp > 1, "
-                             f"got parallel.pp = {pp}, parallel.virtual_pp = {v}; "
-                             f"fix: raise them, or use '1f1b' (parallel.virtual_pp: 1) or 'none' (parallel.pp: 1)")
-        if m % pp:
-            raise ValueError(f"the interleaved schedule needs the number of micro-batches "
-                             f"(train.global_batch_size / (train.micro_batch_size * dp) = {m}) to be a multiple of "
-                             f"parallel.pp = {pp} (parallel.virtual_pp = {v}); fix: make train.global_batch_size a "
-                             f"multiple of train.micro_batch_size * dp * {pp}, or set parallel.virtual_pp: 1")
+def check_schedule(c: Checks, pp: int, virtual_pp: int, num_microbatches: int | None = None,
+                   requested: str | None = None) -> None:
+    """The rules of ``parallel.pipeline_schedule`` (``requested``; None: chosen by ``schedule_kind``) and of
+    interleaving; ``num_microbatches`` (per step and DP rank) when known. ``validate_config``, the planner's
+    search and ``build_schedule`` all run these."""
+    key = "parallel.pipeline_schedule"
+    if requested is not None:
+        c.one_of(key, requested, KINDS)
+    if requested == "none" and (pp != 1 or virtual_pp != 1):
+        c.fail("parallel.pp", pp, f"schedule 'none' runs without a pipeline (parallel.virtual_pp = {virtual_pp})",
+               "set parallel.pp: 1 and parallel.virtual_pp: 1, or use the '1f1b' schedule")
+    elif virtual_pp > 1 and pp == 1:
+        c.fail("parallel.virtual_pp", virtual_pp, "needs parallel.pp > 1 (interleaving splits pipeline stages), "
+               "but parallel.pp = 1", "set parallel.virtual_pp=1 or parallel.pp >= 2")
+    elif requested == "interleaved" and virtual_pp == 1:
+        c.fail(key, requested, "needs parallel.virtual_pp > 1, but parallel.virtual_pp = 1",
+               "set parallel.virtual_pp >= 2, or parallel.pipeline_schedule=1f1b or zb-h1")
+    elif requested in ("1f1b", "zb-h1") and virtual_pp > 1:
+        c.fail(key, requested, f"holds one model chunk per pipeline rank, but parallel.virtual_pp = {virtual_pp}",
+               "set parallel.virtual_pp=1, or parallel.pipeline_schedule=interleaved")
+    elif num_microbatches is not None and virtual_pp > 1 and num_microbatches % pp:
+        c.fail("parallel.virtual_pp", virtual_pp, f"the interleaved schedule needs the micro-batches per step "
+               f"(train.global_batch_size / (train.micro_batch_size * dp) = {num_microbatches}) to be a multiple "
+               f"of parallel.pp = {pp}", f"make train.global_batch_size a multiple of train.micro_batch_size * dp * "
+               f"{pp}, or set parallel.virtual_pp=1")
 
 
 def schedule_for(parallel, num_microbatches: int, forward_only: bool = False) -> tuple[str, list[list]]:
@@ -147,5 +147,10 @@ def build_schedule(kind: str, pp: int, num_microbatches: int, virtual_pp: int = 
                    forward_only: bool = False) -> list[list]:
     """Program (compute instructions and transfer groups) of every pipeline rank (index = rank), by
     ``BUILDERS[kind]``; ``forward_only`` (evaluation): the schedule's forwards in the same order."""
-    _validate(kind, pp, num_microbatches, virtual_pp)
+    c = Checks()
+    check_schedule(c, pp, virtual_pp, num_microbatches, kind)
+    c.raise_problems()
+    if num_microbatches < 1:
+        raise ValueError(f"the number of micro-batches (train.global_batch_size / (train.micro_batch_size * dp)) "
+                         f"is {num_microbatches} but must be >= 1; fix: raise train.global_batch_size")
     return BUILDERS[kind](pp, num_microbatches, virtual_pp, forward_only)

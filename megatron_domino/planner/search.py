@@ -15,9 +15,12 @@ from dataclasses import dataclass, replace
 from itertools import islice, product
 from typing import Iterable
 
+from ..config.checks import Checks
 from ..config.errors import ConfigError
 from ..config.schema import RECOMPUTE, ZERO_STAGES, Config
-from ..config.validate import validate_config
+from ..pipeline.partition import check_partition
+from ..pipeline.schedules import check_schedule
+from ..validation import validate_config
 from .hardware import GPU
 from .memory import StageMemory, estimate_memory
 from .timing import StepTime, TimingAssumptions, estimate_step_time, model_flops_per_step
@@ -103,22 +106,21 @@ def candidate_layouts(cfg: Config, world_size: int, only: dict[str, Iterable] | 
     """Every layout of ``world_size`` GPUs worth estimating; ``only`` restricts fields of Layout.
 
     ``validate_config`` costs milliseconds, too much for each of thousands of layouts, so it runs once per
-    (tp, cp, pp), on the first variant; the rules that tell the variants apart are applied here (micro
-    batches per step divide evenly, and into pp when interleaved; sequence parallelism splits each rank's
-    s/cp tokens over tp; virtual pp divides the layers and suits a pinned schedule), and ``first_valid``
-    validates in full whatever is shown or emitted."""
+    (tp, cp, pp), on the first variant; the rules that tell the variants apart are applied per variant: the
+    pipeline's own (``check_partition`` and ``check_schedule``, the functions validate_config calls), micro
+    batches per step that divide evenly, sequence parallelism splitting each rank's s/cp tokens over tp; and
+    ``first_valid`` validates in full whatever is shown or emitted."""
     only = {key: set(values) for key, values in (only or {}).items()}
     unknown = set(only) - set(Layout.__dataclass_fields__)
     if unknown:
         raise ValueError(f"unknown layout field(s) {sorted(unknown)}; valid: {', '.join(Layout.__dataclass_fields__)}")
     allowed = lambda key, value: key not in only or value in only[key]  # noqa: E731
-    layers, seq, schedule = cfg.model.num_layers, cfg.model.seq_length, cfg.parallel.pipeline_schedule
+    layers, seq = cfg.model.num_layers, cfg.model.seq_length
     found = []
     for tp in [t for t in divisors(world_size) if t <= MAX_TP and allowed("tp", t)]:
         for cp in [c for c in divisors(world_size // tp) if (c == 1 or seq % (2 * c) == 0) and allowed("cp", c)]:
             for pp in [p for p in divisors(world_size // (tp * cp)) if p <= layers and allowed("pp", p)]:
-                virtual = [1] if pp == 1 else [v for v in divisors(layers // pp) if schedule is None
-                                               or (v > 1) == (schedule == "interleaved")]
+                virtual = [v for v in range(1, layers // pp + 1) if _pipeline_fits(cfg, pp, v)]
                 variants = [lay for v in virtual if allowed("virtual_pp", v)
                             for lay in _variants(cfg, tp, cp, pp, world_size // (tp * cp * pp), v, allowed)]
                 if variants and is_valid(cfg, replace(variants[0], recompute=cfg.model.recompute,
@@ -127,11 +129,19 @@ def candidate_layouts(cfg: Config, world_size: int, only: dict[str, Iterable] | 
     return found
 
 
+def _pipeline_fits(cfg: Config, pp: int, v: int, num_microbatches: int | None = None) -> bool:
+    """The pipeline's own rules (``check_partition``, ``check_schedule``), as validate_config applies them."""
+    c, par = Checks(), cfg.parallel
+    check_partition(c, cfg.model.num_layers, pp, v, par.pipeline_partition, par.pipeline_layout)
+    check_schedule(c, pp, v, num_microbatches, par.pipeline_schedule)
+    return not c.problems
+
+
 def _variants(cfg: Config, tp: int, cp: int, pp: int, dp: int, v: int, allowed) -> list[Layout]:
     """The micro batch, TP communication, recompute and ZeRO choices of one (tp, cp, pp, dp, virtual pp)."""
     batch, seq = cfg.train.global_batch_size, cfg.model.seq_length
     micro = [b for b in MICRO_BATCHES if batch % (b * dp) == 0 and allowed("micro_batch", b)
-             and (v == 1 or batch // (b * dp) % pp == 0)]
+             and _pipeline_fits(cfg, pp, v, batch // (b * dp))]
     modes = [(sp, domino) for sp, domino in _tp_modes(tp, cfg.parallel.domino) if (not sp or seq % (tp * cp) == 0)
              and allowed("sequence_parallel", sp) and allowed("domino", domino)]
     # One replica: the ZeRO stage is moot. Several micro-batches: ZeRO-2 keeps whole gradients all step and

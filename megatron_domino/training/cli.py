@@ -19,7 +19,8 @@ import sys
 import traceback
 import warnings
 
-from ..config import ConfigError, load_config, validate_config
+from ..config import ConfigError, load_config
+from ..validation import validate_config
 from ..parallel.launch import device_type_for, launched_rank, launched_world_size
 from ..parallel.topology import Topology
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import ConfigError, load_config, validate_config
+from ..config import ConfigError, load_config
+from ..validation import validate_config
 from ..config.schema import Config
 from ..parallel.launch import launched_world_size
 from ..parallel.topology import Topology

@@ -1,51 +1,38 @@
-"""Every cross-field rule of a run, checked on one CPU process before any process group starts.
+"""The rules of the config's own sections (model, the TP splits, train, optimizer, data, files, operations).
 
-A bad layout found after 512 ranks have started costs minutes and prints 512 tracebacks; found here
-it costs nothing and names the key. All problems are collected and raised together (one line each,
-"<key> = <value>: <rule>. Fix: <fix>"); settings that work but surprise are returned as warnings.
-Nothing here touches torch.distributed.
+The rules of the parts that live elsewhere sit next to them (the rank grid in ``parallel/topology.py``, the
+pipeline split and schedule in ``pipeline/``, Domino in ``domino/plan.py``); ``megatron_domino.validation``
+gathers them all. Nothing here touches torch.distributed.
 """
 from __future__ import annotations
 
-import difflib
 import os
 from typing import Any
 
+from .checks import Checks
 from .data_path import parse_data_path
-from .errors import ConfigError, Problem
-from .loader import config_from_dict, config_to_dict
+from .errors import ConfigError
 from .validate_context_parallel import check_context_parallel
-from .validate_moe import check_moe
 from .schema import (
     ACTIVATIONS,
     ATTENTION_BACKENDS,
-    AXES,
     BACKENDS,
     BAD_STEP_ACTIONS,
-    DOMINO_OVERLAPS,
-    DOMINO_SPLITS,
     FREE_SPACE,
     LR_SCHEDULES,
     NORMS,
     OPTIMIZERS,
-    PIPELINE_PARTITIONS,
-    PIPELINE_SCHEDULES,
     POSITION_EMBEDDINGS,
     RECOMPUTE,
     TOKENIZERS,
     WANDB_MODES,
     ZERO_STAGES,
     Config,
-    full_order,
 )
 
 # Files a tokenizer type cannot work without.
 TOKENIZER_FILES = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "SentencePieceTokenizer": ("model",),
                    "HuggingFaceTokenizer": ("model",), "NullTokenizer": ()}
-
-ROW_SPLIT_WARNING = ("parallel.domino_split=row needs train.micro_batch_size >= 2; "
-                     "micro batch 1 runs the column split instead")
-
 
 def _is_number(text: Any) -> bool:
     try:
@@ -55,47 +42,7 @@ def _is_number(text: Any) -> bool:
     return True
 
 
-class _Checks:
-    """Collects problems and warnings; small helpers keep each rule to one line."""
-
-    def __init__(self) -> None:
-        self.problems: list[Problem] = []
-        self.warnings: list[str] = []
-
-    def fail(self, key: str, value: Any, rule: str, fix: str) -> None:
-        self.problems.append(Problem(key, value, rule, fix))
-
-    def positive(self, key: str, value: Any, optional: bool = False) -> bool:
-        """value >= 1 (or > 0 for floats). Returns whether it holds, so dependent rules can be skipped."""
-        if value is None and optional:
-            return True
-        if value is None or not value > 0:
-            self.fail(key, value, "must be positive", f"set {key} to a value above 0")
-            return False
-        return True
-
-    def at_least(self, key: str, value: Any, low: float) -> None:
-        if not value >= low:
-            self.fail(key, value, f"must be >= {low}", f"set {key} to {low} or more")
-
-    def in_range(self, key: str, value: Any, low: float, high: float, high_open: bool = True) -> None:
-        ok = low <= value < high if high_open else low <= value <= high
-        if not ok:
-            interval = f"[{low}, {high})" if high_open else f"[{low}, {high}]"
-            self.fail(key, value, f"must lie in {interval}", f"choose a value in {interval}")
-
-    def one_of(self, key: str, value: Any, choices: tuple) -> None:
-        if value not in choices:
-            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-            fix = f"did you mean '{close[0]}'?" if close else "pick one of the listed values"
-            self.fail(key, value, f"must be one of {', '.join(map(str, choices))}", fix)
-
-    def divides(self, key: str, value: int, divisor: int, divisor_name: str, fix: str) -> None:
-        if value % divisor:
-            self.fail(key, value, f"must be divisible by {divisor_name} = {divisor}", fix)
-
-
-def _check_model(c: _Checks, cfg: Config, device_type: str | None) -> None:
+def check_model(c: Checks, cfg: Config, device_type: str | None) -> None:
     m = cfg.model
     sizes_ok = all([c.positive("model.num_layers", m.num_layers), c.positive("model.hidden_size", m.hidden_size),
                     c.positive("model.num_attention_heads", m.num_attention_heads),
@@ -149,43 +96,7 @@ def _check_model(c: _Checks, cfg: Config, device_type: str | None) -> None:
                "change hidden_size or num_attention_heads, or set model.kv_channels")
 
 
-def _check_layout(c: _Checks, cfg: Config) -> None:
-    """Stages and interleaving: how layers land on pipeline ranks."""
-    p, layers = cfg.parallel, cfg.model.num_layers
-    chunks = p.pp * p.virtual_pp
-    if p.virtual_pp > 1 and p.pp == 1:
-        c.fail("parallel.virtual_pp", p.virtual_pp, "needs parallel.pp > 1 (interleaving splits pipeline stages)",
-               "set parallel.virtual_pp=1 or parallel.pp >= 2")
-    if p.pipeline_schedule is not None:
-        c.one_of("parallel.pipeline_schedule", p.pipeline_schedule, PIPELINE_SCHEDULES)
-        if p.pipeline_schedule == "interleaved" and p.virtual_pp == 1 and p.pp > 1:
-            c.fail("parallel.pipeline_schedule", p.pipeline_schedule, "needs parallel.virtual_pp > 1",
-                   "set parallel.virtual_pp >= 2, or parallel.pipeline_schedule=1f1b or zb-h1")
-        elif p.pipeline_schedule in ("1f1b", "zb-h1") and p.virtual_pp > 1:
-            c.fail("parallel.pipeline_schedule", p.pipeline_schedule, f"holds one model chunk per pipeline rank, "
-                   f"but parallel.virtual_pp = {p.virtual_pp}",
-                   "set parallel.virtual_pp=1, or parallel.pipeline_schedule=interleaved")
-    if p.pipeline_layout is not None:
-        layout = p.pipeline_layout
-        if len(layout) != chunks:
-            c.fail("parallel.pipeline_layout", layout, f"must have pp * virtual_pp = {chunks} entries",
-                   f"give one layer count per model chunk ({chunks} numbers)")
-        elif any(n < 1 for n in layout):
-            c.fail("parallel.pipeline_layout", layout, "every stage needs at least one layer",
-                   "move layers so each entry is >= 1")
-        elif sum(layout) != layers:
-            c.fail("parallel.pipeline_layout", layout, f"sums to {sum(layout)}, not model.num_layers = {layers}",
-                   "make the entries add up to model.num_layers")
-    elif p.pipeline_partition == "uniform":
-        c.divides("model.num_layers", layers, chunks, "pp * virtual_pp",
-                  "change model.num_layers or parallel.pp, or use parallel.pipeline_partition=parameters "
-                  "or an explicit parallel.pipeline_layout")
-    elif layers < chunks:
-        c.fail("model.num_layers", layers, f"is fewer than the pp * virtual_pp = {chunks} model chunks",
-               "lower parallel.pp or parallel.virtual_pp")
-
-
-def _check_timeouts(c: _Checks, p) -> None:
+def _check_timeouts(c: Checks, p) -> None:
     """The watchdog must report a hang (naming the silent peer) before NCCL aborts the collective."""
     if not all([c.positive("parallel.timeout_s", p.timeout_s),
                 c.positive("parallel.collective_timeout_s", p.collective_timeout_s, optional=True)]):
@@ -197,42 +108,18 @@ def _check_timeouts(c: _Checks, p) -> None:
                f"set parallel.collective_timeout_s >= {2 * p.timeout_s:g}, or null (2 * parallel.timeout_s)")
 
 
-def _check_parallel(c: _Checks, cfg: Config, world_size: int | None) -> int | None:
-    """Returns the data-parallel size when it is known (set, or inferable from world_size)."""
+def check_parallel(c: Checks, cfg: Config) -> None:
+    """What the layout asks of the model: TP splits heads, query groups and the FFN; sequence parallelism
+    splits the sequence; the ring's limits; the watchdog's timeouts; the backend."""
     p, m = cfg.parallel, cfg.model
-    ok = all([c.positive("parallel.tp", p.tp), c.positive("parallel.pp", p.pp), c.positive("parallel.cp", p.cp),
-              c.positive("parallel.dp", p.dp, optional=True), c.positive("parallel.virtual_pp", p.virtual_pp)])
     _check_timeouts(c, p)
-    c.positive("parallel.domino_chunks", p.domino_chunks)
-    c.one_of("parallel.domino_split", p.domino_split, DOMINO_SPLITS)
-    c.one_of("parallel.domino_overlap", p.domino_overlap, DOMINO_OVERLAPS)
     c.one_of("parallel.backend", p.backend, BACKENDS)
-    c.one_of("parallel.pipeline_partition", p.pipeline_partition, PIPELINE_PARTITIONS)
-    if sorted(full_order(p.order).split("-")) != sorted(AXES):
-        c.fail("parallel.order", p.order, "must be a permutation of tp, cp, dp, pp joined by '-' (cp may be left out)",
-               "use 'tp-cp-dp-pp' (TP innermost)")
-    if p.domino and p.domino_split == "row" and cfg.train.micro_batch_size < 2:
-        c.warnings.append(ROW_SPLIT_WARNING)
     if p.sequence_parallel and p.tp == 1:
         c.warnings.append("parallel.sequence_parallel=true has no effect with parallel.tp=1")
-    if not ok:
-        return None
+    if not all(isinstance(size, int) and size >= 1 for size in (p.tp, p.cp)):
+        return  # the rank grid's rules (check_topology) name them
     if p.cp > 1:
         check_context_parallel(c, cfg)
-    dp, model = p.dp, p.tp * p.cp * p.pp
-    if world_size is not None:
-        if dp is None and world_size % model:
-            c.fail("parallel.dp", None, f"null infers world_size / (tp * cp * pp), but world size {world_size} is "
-                   f"not divisible by tp * cp * pp = {model}",
-                   f"launch a multiple of {model} processes or change tp/cp/pp")
-        elif dp is None:
-            dp = world_size // model
-        elif model * dp != world_size:
-            fix = (f"set parallel.dp={world_size // model} or null" if world_size % model == 0
-                   else f"launch {model * dp} processes")
-            c.fail("parallel.dp", dp, f"tp * cp * pp * dp = {model * dp} must equal the world size {world_size}", fix)
-    if m.num_layers >= 1:
-        _check_layout(c, cfg)
     split_by_tp = (("model.num_attention_heads", m.num_attention_heads),
                    ("model.num_query_groups", m.num_query_groups or 0),  # unset: checked as the heads
                    ("model.ffn_hidden_size", m.ffn_size), ("model.hidden_size", m.hidden_size))
@@ -245,11 +132,11 @@ def _check_parallel(c: _Checks, cfg: Config, world_size: int | None) -> int | No
         c.divides("model.seq_length", m.seq_length, p.tp * p.cp,
                   "parallel.tp * parallel.cp (sequence parallel shards each rank's part of the sequence over tp)",
                   "make the sequence length a multiple of tp * cp or turn parallel.sequence_parallel off")
-    return dp
 
 
-def _check_train(c: _Checks, cfg: Config, dp: int | None) -> None:
-    t, p = cfg.train, cfg.parallel
+def check_train(c: Checks, cfg: Config, dp: int | None) -> int | None:
+    """Steps, batches, precision. Returns the micro-batches per step and DP rank when they are known."""
+    t = cfg.train
     c.positive("train.steps", t.steps)
     c.positive("train.tokens", t.tokens, optional=True)
     batch_ok = all([c.positive("train.micro_batch_size", t.micro_batch_size),
@@ -263,19 +150,17 @@ def _check_train(c: _Checks, cfg: Config, dp: int | None) -> None:
         c.fail("train.fp16", t.fp16, "and train.bf16 are both true",
                "keep one: train.bf16=true (preferred) or train.fp16=true")
     if not batch_ok:
-        return
+        return None
     per_step, micro_batches = t.micro_batch_size * (dp or 1), t.num_microbatches(dp or 1)
     if t.global_batch_size % per_step:
         c.fail("train.global_batch_size", t.global_batch_size,
                f"must be a multiple of micro_batch_size * dp = {t.micro_batch_size} * {dp or 1} = {per_step}",
                f"use a multiple of {per_step}, e.g. {per_step * max(1, micro_batches)}")
-    elif dp is not None and p.virtual_pp > 1 and p.pp > 1 and micro_batches % p.pp:
-        c.fail("parallel.virtual_pp", p.virtual_pp, f"the interleaved schedule needs the micro-batches per step "
-               f"(global / (micro * dp) = {micro_batches}) to be a multiple of pp = {p.pp}",
-               f"make train.global_batch_size a multiple of {per_step * p.pp} or set parallel.virtual_pp=1")
+        return None
+    return micro_batches if dp is not None else None
 
 
-def _check_optimizer(c: _Checks, cfg: Config) -> None:
+def check_optimizer(c: Checks, cfg: Config) -> None:
     o = cfg.optimizer
     c.one_of("optimizer.name", o.name, OPTIMIZERS)
     c.one_of("optimizer.lr_schedule", o.lr_schedule, LR_SCHEDULES)
@@ -308,7 +193,7 @@ def _check_optimizer(c: _Checks, cfg: Config) -> None:
                f"{o.initial_loss_scale}", "lower min_loss_scale (1.0 is usual)")
 
 
-def _check_data(c: _Checks, cfg: Config, check_paths: bool) -> None:
+def check_data(c: Checks, cfg: Config, check_paths: bool) -> None:
     d = cfg.data
     c.positive("data.index_build_timeout_s", d.index_build_timeout_s)
     c.positive("data.mock_document_tokens", d.mock_document_tokens)
@@ -334,7 +219,7 @@ def _check_data(c: _Checks, cfg: Config, check_paths: bool) -> None:
                        "run tools/preprocess_data.py to make it, or correct the prefix (no .bin/.idx suffix)")
 
 
-def _check_files(c: _Checks, cfg: Config, check_paths: bool) -> None:
+def check_files(c: Checks, cfg: Config, check_paths: bool) -> None:
     tok, ck, log = cfg.tokenizer, cfg.checkpoint, cfg.log
     c.one_of("tokenizer.type", tok.type, TOKENIZERS)
     for name in TOKENIZER_FILES.get(tok.type, ()):
@@ -364,7 +249,7 @@ def _check_files(c: _Checks, cfg: Config, check_paths: bool) -> None:
         c.fail("log.dir", log.dir, "must name a directory", "set log.dir=runs/NAME")
 
 
-def _check_operations(c: _Checks, cfg: Config) -> None:
+def check_operations(c: Checks, cfg: Config) -> None:
     """The long-run tools: bad-step guard, wandb, straggler report, profiler window."""
     t, log = cfg.train, cfg.log
     if t.on_bad_step is not None:
@@ -388,26 +273,3 @@ def _check_operations(c: _Checks, cfg: Config) -> None:
                                    and all(isinstance(s, int) for s in window) and 1 <= window[0] <= window[1]):
         c.fail("log.profile_steps", window, "must be [start, end], whole steps with 1 <= start <= end",
                "e.g. log.profile_steps=[10,12], or null for no trace")
-
-
-def validate_config(cfg: Config, world_size: int | None = None, check_paths: bool = True,
-                    device_type: str | None = None) -> list[str]:
-    """Check every rule; raise one ``ConfigError`` listing all problems, or return the warnings.
-
-    ``world_size`` (when known) checks tp * pp * dp against it; ``check_paths`` checks that the data,
-    tokenizer and checkpoint files exist; ``device_type`` ("cuda" or "cpu", when known) checks what only
-    one kind of device refuses. Configs built in code get the loader's type checks too.
-    """
-    cfg = config_from_dict(config_to_dict(cfg))
-    c = _Checks()
-    _check_model(c, cfg, device_type)
-    dp = _check_parallel(c, cfg, world_size)
-    _check_train(c, cfg, dp)
-    check_moe(c, cfg, dp)
-    _check_optimizer(c, cfg)
-    _check_data(c, cfg, check_paths)
-    _check_files(c, cfg, check_paths)
-    _check_operations(c, cfg)
-    if c.problems:
-        raise ConfigError.of(c.problems)
-    return c.warnings
