@@ -71,9 +71,7 @@ def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, ch
     afterwards."""
     ps = ParallelState(Topology.from_config(cfg.parallel, world_size), strict=True)
     chunks = build_stage_chunks(cfg, ps, init_seed=3)
-    optimizer = DistributedOptimizer(chunks, optimizer_config, dp_group=ps.dp_cp_group, tp_rank=ps.tp_rank,
-                                     norm_groups=[ps.tp_group, ps.pp_group], bucket_alone=(WORD_EMBEDDINGS,),
-                                     expert_dp_group=ps.expert_dp_group, ep_group=ps.ep_group)
+    optimizer = DistributedOptimizer.for_layout(chunks, optimizer_config, ps, bucket_alone=(WORD_EMBEDDINGS,))
     engine, losses = None, []
     for micro in steps_of_microbatches(ps):
         if engine is None:

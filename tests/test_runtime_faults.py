@@ -15,6 +15,7 @@ from megatron_domino.config.errors import DataError
 from megatron_domino.data import IndexedDatasetBuilder
 from megatron_domino.training import cli
 from megatron_domino.training.trainer import Trainer
+from megatron_domino.training.watchdog import Watchdog
 from tests.test_training import _resume_one_step
 from tests.training_runs import REPO, command, environment, kill_group, metrics, start, wait_for_step
 
@@ -120,9 +121,9 @@ def test_the_reporter_never_fails_itself(tmp_path, capsys):
     assert report(Unprintable(), tmp_path) == 1
     assert "Unprintable" in capsys.readouterr().err
     # step "four" read from damaged checkpoint metadata: describing the rank's state fails, the report does not
-    trainer = SimpleNamespace(step="four", phase="data", state=SimpleNamespace(coordinates=lambda: "rank 0"),
-                              watchdog=SimpleNamespace(close=lambda: None, interval_s=0.0,
-                                                       describe_silent_peers=lambda wait_s: "none"))
-    trainer.describe = lambda: Trainer.describe(trainer)
-    Trainer.report_failure(trainer, raised(TypeError("'>=' not supported")))
+    trainer = SimpleNamespace(step="four", phase="data")
+    watchdog = SimpleNamespace(close=lambda: None, interval_s=0.0, describe_silent_peers=lambda wait_s: "none",
+                               state=SimpleNamespace(coordinates=lambda: "rank 0"),
+                               describe=lambda: Trainer.describe(trainer))
+    Watchdog.report_failure(watchdog, raised(TypeError("'>=' not supported")))
     assert "[rank 0] failed while in: a state that cannot be described (TypeError" in capsys.readouterr().err

@@ -45,6 +45,15 @@ class DistributedOptimizer:
     holds a copy (the tied word embedding, summed over the first and last stage). ``expert_dp_group`` and
     ``ep_group``: where expert parameters are replicated and where they differ (None: no expert parallelism)."""
 
+    @classmethod
+    def for_layout(cls, model_chunks: list[torch.nn.Module], opt: OptimizerConfig, state, *, fp16: bool = False,
+                   bf16: bool = False, bucket_alone: tuple[str, ...] = ()) -> "DistributedOptimizer":
+        """The optimizer of ``state``'s layout (a ``ParallelState``): gradients reduced over dp x cp, experts'
+        over their own replicas, the norm over TP and the pipeline."""
+        return cls(model_chunks, opt, dp_group=state.dp_cp_group, tp_rank=state.tp_rank,
+                   norm_groups=[state.tp_group, state.pp_group], fp16=fp16, bf16=bf16, bucket_alone=bucket_alone,
+                   expert_dp_group=state.expert_dp_group, ep_group=state.ep_group)
+
     def __init__(self, model_chunks: list[torch.nn.Module], opt: OptimizerConfig, *, dp_group, tp_rank: int,
                  norm_groups: list, fp16: bool = False, bf16: bool = False, bucket_alone: tuple[str, ...] = (),
                  expert_dp_group=None, ep_group=None):

@@ -41,7 +41,7 @@ class ParallelState:
                              f"were launched. Fix: launch {topology.world_size} ranks or change tp/pp/dp.")
         if strict:
             install_collective_checks()
-        self.topology, self.strict = topology, strict
+        self.topology, self.strict, self.timeout_s = topology, strict, timeout_s
         self.rank = dist.get_rank()
         self.device = device if device is not None else torch.device("cpu")
         timeout = timedelta(seconds=timeout_s) if timeout_s else None

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.device import to_device
-from ..parallel.launch import collective_timeout_s
 from .device_batches import DeviceBatches
 from .executor import PipelineExecutor, StageContext
 from .p2p import P2P
@@ -44,7 +43,7 @@ class PipelineEngine:
         # buffering); on NCCL the rules hold by themselves, so the plain transport serves there.
         transport = StrictP2P if state.strict and dist.get_backend() == "gloo" else P2P
         self.executor = PipelineExecutor(chunks, self.stage,
-                                         transport(device, collective_timeout_s(par), par.variable_seq_lengths),
+                                         transport(device, state.timeout_s, par.variable_seq_lengths),
                                          loss_fn=self._loss, on_backward=on_backward)
         self.device = device
 

@@ -77,9 +77,10 @@ class Arrival:
 
 
 class P2P:
-    def __init__(self, device: torch.device, timeout_s: float, variable_shapes: bool = False):
+    def __init__(self, device: torch.device, timeout_s: float | None, variable_shapes: bool = False):
+        """``timeout_s``: the run's collective timeout (the parallel state's; None: torch's default)."""
         self.device, self.variable_shapes = device, variable_shapes
-        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else dist.default_pg_timeout
         self.waits_on_stream = device.type == "cuda"
         self._pending_sends: list[tuple[GroupWork, torch.Tensor]] = []
         self._wait_seconds = 0.0

@@ -65,7 +65,7 @@ class StrictP2P(P2P):
     """``P2P`` with NCCL's rendezvous and order rules enforced on gloo (gloo only: the announcements are
     small tagged sends that gloo buffers; NCCL would neither honour the tag nor take a CPU tensor)."""
 
-    def __init__(self, device: torch.device, timeout_s: float, variable_shapes: bool = False):
+    def __init__(self, device: torch.device, timeout_s: float | None, variable_shapes: bool = False):
         if dist.get_backend() != "gloo":
             raise ValueError(f"the strict pipeline transport emulates NCCL's rules on gloo, but the backend is "
                              f"{dist.get_backend()!r}. Fix: leave parallel.strict_transport off there; NCCL "

@@ -28,6 +28,8 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from ..config.errors import KnownError
+
 EXIT_CODE = 3
 _KEY = "megatron_domino/heartbeat/{}"
 
@@ -125,6 +127,20 @@ class Watchdog:
                  else f"phase '{phase.name}', budget {phase.key} = {phase.budget_s:g}")
         print(f"[{self.state.coordinates()}] watchdog: no progress for {stuck_s:.0f}s ({limit}) while in: {current}; "
               f"{self.describe_silent_peers()}. Exiting with status {EXIT_CODE}.", file=sys.stderr, flush=True)
+
+    def report_failure(self, error: BaseException) -> None:
+        """Stop watching, then print one line naming what this rank was doing (``describe``) and which peers
+        went silent (a dead peer's coordinates), for errors that do not say where themselves (a known error's
+        message does). Never raises: the state it describes may be what is broken (a step read from damaged
+        checkpoint metadata)."""
+        self.close()
+        if isinstance(error, (KnownError, KeyboardInterrupt)):
+            return
+        try:
+            doing = f"{self.describe()}; {self.describe_silent_peers(wait_s=5 * self.interval_s)}"
+        except Exception as problem:  # noqa: BLE001
+            doing = f"a state that cannot be described ({type(problem).__name__}: {problem})"
+        print(f"[{self.state.coordinates()}] failed while in: {doing}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         self._stop.set()

@@ -1,0 +1,57 @@
+"""The trainer's micro-batches: the datasets of ``cfg.data``, read on the ranks that need tokens or labels."""
+from __future__ import annotations
+
+from ..data import MicroBatchLoader, build_train_valid_test_datasets
+from ..models.ring_attention import split_for_context_parallel
+from ..parallel.store_barrier import Phase
+
+
+class DataFeed:
+    """Train and validation loaders for this rank (none on a middle stage, whose activations arrive over p2p),
+    with context parallelism's split applied; ``consumed`` counts the training samples read so far (a
+    checkpoint keeps it)."""
+
+    def __init__(self, cfg, state, engine, watchdog):
+        train, data = cfg.train, cfg.data
+        self.state, self.num_microbatches = state, train.num_microbatches(state.dp_size)
+        self.global_batch_size, self.consumed = train.global_batch_size, 0
+        eval_samples = train.eval_iters * train.global_batch_size
+        evaluations = (train.steps // train.eval_interval + 1) if train.eval_interval else 1
+        phase = Phase("index build", data.index_build_timeout_s, "data.index_build_timeout_s", state.barriers)
+        with watchdog.watching(phase):
+            train_ds, valid_ds, _ = build_train_valid_test_datasets(
+                cfg, (train.steps * train.global_batch_size, evaluations * eval_samples, 0),
+                build_on_this_rank=state.rank == 0, barrier=lambda: phase.barrier("indices cached"))
+        reads = engine.needs_tokens or engine.holds_loss or data.reset_position_ids or data.reset_attention_mask
+        make = lambda ds: (MicroBatchLoader(ds, train.global_batch_size, train.micro_batch_size,  # noqa: E731
+                                            state.dp_rank, state.dp_size)
+                           if ds is not None and reads else None)
+        self.train_loader, self.valid_loader = make(train_ds), make(valid_ds)
+        self.has_validation = valid_ds is not None
+
+    def resume(self, consumed_samples: int) -> None:
+        self.consumed = consumed_samples
+        if self.train_loader is not None:
+            self.train_loader.load_state_dict({"consumed_samples": consumed_samples})
+
+    def next_train_step(self) -> list[dict]:
+        return self._next(self.train_loader)
+
+    def count_step(self) -> None:
+        """The step trained on what ``next_train_step`` gave (a step the guard stopped is not counted, so a
+        resume reads its samples again)."""
+        self.consumed += self.global_batch_size
+
+    def validation_steps(self, iters: int):
+        """``iters`` steps of validation micro-batches, from the split's start each time."""
+        if self.valid_loader is not None:
+            self.valid_loader.load_state_dict({"consumed_samples": 0})
+        return (self._next(self.valid_loader) for _ in range(iters))
+
+    def _next(self, loader) -> list[dict]:
+        if loader is None:  # a middle stage: activations come over p2p
+            return [{} for _ in range(self.num_microbatches)]
+        microbatches = loader.next_step()  # in host memory: the engine moves them to the device one at a time
+        if self.state.cp_size > 1:  # this rank's two chunks of each sequence
+            return [split_for_context_parallel(b, self.state.cp_size, self.state.cp_rank) for b in microbatches]
+        return microbatches
