@@ -30,6 +30,7 @@ from megatron_domino.domino.executor import run_order
 from megatron_domino.domino.order import forward_order
 from megatron_domino.domino.plan import COMPARED_PLANS
 from megatron_domino.models import TransformerBlock, initialize_weights
+from megatron_domino.models.tokens import NO_CONTEXT
 from megatron_domino.tensor_parallel import LayerContext
 
 from common import tp_communication_skipped
@@ -53,7 +54,7 @@ class BlockStack(torch.nn.Module):
             return x
         rows, columns = self.plan.split_for(x.shape[0])
         order = forward_order(len(self.layers), rows, self.plan.overlap)
-        out = run_order(order, self.layers, list(x.tensor_split(rows, dim=0)), [(None, None)] * rows,
+        out = run_order(order, self.layers, list(x.tensor_split(rows, dim=0)), [NO_CONTEXT] * rows,
                         column_pieces=columns)
         return torch.cat(out, dim=0)
 

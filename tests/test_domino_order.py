@@ -11,6 +11,7 @@ from megatron_domino.domino import print_schedule
 from megatron_domino.domino.executor import run_order
 from megatron_domino.domino.order import Step, backward_order, forward_order
 from megatron_domino.models import TransformerBlock, initialize_weights
+from megatron_domino.models.tokens import NO_CONTEXT
 from megatron_domino.tensor_parallel import LayerContext
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -73,7 +74,7 @@ def test_executor_computes_what_the_synchronous_forward_computes():
         hidden = block(hidden)
     hidden.square().sum().backward()
     seen = []
-    out = run_order(forward_order(2, 2, "inter"), domino, list(dom_in.tensor_split(2)), [(None, None)] * 2,
+    out = run_order(forward_order(2, 2, "inter"), domino, list(dom_in.tensor_split(2)), [NO_CONTEXT] * 2,
                     on_step=seen.append)
     torch.cat(out).square().sum().backward()
     assert torch.allclose(torch.cat(out), hidden, rtol=1e-5, atol=1e-6)

@@ -14,6 +14,7 @@ from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.models.counters import count_parameters, flops_per_token
 from megatron_domino.models.moe import MoE
 from megatron_domino.models.router import route, within_capacity
+from megatron_domino.models.tokens import TokenContext
 from megatron_domino.tensor_parallel import LayerContext
 from tests.harness import run_ranks
 from tests.parity import assert_covered, assert_same_run, layout_config, train_steps
@@ -108,10 +109,9 @@ def test_layer_equals_loops_over_tokens_and_experts(cfg):
     moe = MoE(cfg, LayerContext())
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    moe.loss_scale_per_sample = 0.7
     x = torch.randn(2, cfg.seq_length, cfg.hidden_size, requires_grad=True)
     grad_out = torch.randn(2, cfg.seq_length, cfg.hidden_size)
-    out, bias = moe.project(moe.hidden(x))
+    out, bias = moe.project(moe.hidden(x, TokenContext(aux_loss_weight=0.7)))
     out = out + bias if bias is not None else out
     got = torch.autograd.grad((out * grad_out).sum(), [x, *moe.parameters()])
 
@@ -168,10 +168,11 @@ def _reference(model, group_size, batches=None, norms=None):
     losses = []
     for tokens, labels, mask in batches or _batches(model):
         dense.zero_grad(set_to_none=True)
-        dense.start_moe_step(1.0 / GLOBAL_BATCH)
+        dense.reset_routing_stats()
         total = 0.0
         for rows in torch.arange(GLOBAL_BATCH).split(group_size):
-            loss = (dense(None, {"tokens": tokens[rows], "labels": labels[rows]}) * mask[rows]).sum() / mask.sum()
+            batch = {"tokens": tokens[rows], "labels": labels[rows], "aux_loss_weight": 1.0 / GLOBAL_BATCH}
+            loss = (dense(None, batch) * mask[rows]).sum() / mask.sum()
             loss.backward()
             total += loss.item()
         if norms is not None:

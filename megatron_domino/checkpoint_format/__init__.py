@@ -33,6 +33,7 @@ from ..config.errors import CheckpointError
 from ..config.loader import config_from_dict
 from ..config.schema import ARCHITECTURE_KEYS
 from ..files import atomic_open, fsync_dir, publish
+from ..models.counters import count_parameters
 from ..models.full_state import stored_shapes
 from . import tensors
 
@@ -263,3 +264,10 @@ def check_compatible(meta: dict, model_cfg) -> None:
     raise CheckpointError("checkpoint is from an incompatible model (its tensors' shapes or layer kinds differ); "
                           "differing keys:\n  " + "\n  ".join(differing)
                           + "\nFix: load it with the model settings it was saved with.")
+
+
+def estimated_bytes(cfg) -> int:
+    """One checkpoint's size, estimated before it exists: each parameter in its training dtype plus 12 bytes
+    of fp32 optimizer state (the master copy and Adam's two moments; an upper bound for SGD)."""
+    param_bytes = 2 if cfg.train.bf16 or cfg.train.fp16 else 4
+    return count_parameters(cfg.model) * (param_bytes + 12)

@@ -56,9 +56,9 @@ def defer_waits(wait_nodes: list, sequence_nr: int | None) -> None:
             node._set_sequence_nr(sequence_nr)
 
 
-def launch_phase(block, phase: str, x: torch.Tensor, rotary, doc_offsets, column_pieces: int) -> InFlight:
+def launch_phase(block, phase: str, x: torch.Tensor, context, column_pieces: int) -> InFlight:
     """Compute ``phase`` of ``block`` up to its row-parallel projection and start the projection's all-reduce."""
-    pending, bias = block.projection(phase).launch(block.phase_hidden(phase, x, rotary, doc_offsets), column_pieces)
+    pending, bias = block.projection(phase).launch(block.phase_hidden(phase, x, context), column_pieces)
     return InFlight(block, pending, bias, x)
 
 
@@ -86,13 +86,13 @@ def _tensors(value) -> list[torch.Tensor]:
     return [p for p in getattr(value, "pieces", []) if torch.is_tensor(p)]
 
 
-def run_order(order: list[Step], blocks, inputs: list, contexts: list[tuple], *, column_pieces: int = 1,
+def run_order(order: list[Step], blocks, inputs: list, contexts: list, *, column_pieces: int = 1,
               embed: Callable | None = None, head: Callable | None = None,
               on_step: Callable[[Step | None], None] | None = None) -> list[torch.Tensor]:
     """Execute ``order``; returns each chunk's final state.
 
-    ``inputs[c]``: chunk c's hidden state (unused where the order launches the embedding); ``contexts[c]`` =
-    (rotary, doc_offsets); ``embed(c)`` launches chunk c's embedding (something with ``finish()``);
+    ``inputs[c]``: chunk c's hidden state (unused where the order launches the embedding); ``contexts[c]``:
+    its tokens' context (``models.tokens.TokenContext``), handed to every block; ``embed(c)`` launches chunk c's embedding (something with ``finish()``);
     ``head(x, c)`` is the output head; ``on_step`` hears each step as it starts (traces), then None.
     """
     chunks = len(contexts)
@@ -112,7 +112,7 @@ def run_order(order: list[Step], blocks, inputs: list, contexts: list[tuple], *,
             elif step.phase == HEAD:
                 result = head(state[c], c)
             else:
-                result = launch_phase(blocks[step.layer], step.phase, state[c], *contexts[c], column_pieces)
+                result = launch_phase(blocks[step.layer], step.phase, state[c], contexts[c], column_pieces)
             defer_waits(_gradient_waits(result, marks[-1]), marks[max(0, len(marks) - chunks)])
             state[c] = result
     if on_step is not None:

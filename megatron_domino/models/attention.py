@@ -28,6 +28,7 @@ from .document_attention import document_attention
 from .ring_attention import Ring, ring_attention
 from .recompute import recompute
 from .rope import apply_rotary
+from .tokens import NO_CONTEXT, TokenContext
 
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                  "math": SDPBackend.MATH}
@@ -51,8 +52,9 @@ class Attention(nn.Module):
                                         init_std=cfg.init_std)
         self.proj = RowParallelLinear(heads * head_dim, cfg.hidden_size, ctx, bias=cfg.bias, init_std=output_std)
 
-    def context(self, x: torch.Tensor, rotary, doc_offsets) -> torch.Tensor:
+    def hidden(self, x: torch.Tensor, context: TokenContext = NO_CONTEXT) -> torch.Tensor:
         """Everything up to the output projection: [b, s, h] -> this rank's heads [b, s, local heads * d]."""
+        rotary, doc_offsets = context.rotary, context.doc_offsets
         qkv = self.qkv(x)
         b, s = qkv.shape[:2]
         qkv = qkv.view(b, s, self.local_groups, self.queries_per_group + 2, self.head_dim)
@@ -69,6 +71,14 @@ class Attention(nn.Module):
         else:
             out = self._core(q, k, v, doc_offsets)
         return out.transpose(1, 2).reshape(b, s, -1)
+
+    def project(self, hidden):
+        """The output projection with its synchronous all-reduce (reduce-scatter under SP): (output, bias)."""
+        return self.proj(hidden)
+
+    def launch(self, hidden, pieces: int = 1):
+        """Domino: the output projection with its all-reduce left in flight."""
+        return self.proj.launch(hidden, pieces)
 
     def _core(self, q, k, v, doc_offsets):
         """Causal softmax(QK^T/sqrt(d)) V, within each document where ``doc_offsets`` (host memory) are given;

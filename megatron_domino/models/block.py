@@ -1,11 +1,11 @@
 """One pre-norm transformer block: ``forward`` reads top to bottom, as nanoGPT's and Megatron's do.
 
-Each of its two phases (attention, MLP) ends where tensor parallelism communicates: ``phase_hidden``
-computes up to the row-parallel projection's input (recomputable, no forward communication),
-``projection`` is that row-parallel layer (its all-reduce; for a mixture of experts, every expert's fc2
-combined under one all-reduce, see ``moe``), and ``residual`` adds bias, dropout and the residual.
-``forward`` runs them in order with synchronous all-reduces; Domino runs the same pieces per mu-chunk in
-the order of ``domino.order`` (``domino.executor``).
+Attention, the MLP and a mixture of experts are *mixers* with one two-piece interface: ``hidden(x, context)``
+computes up to the row-parallel projection's input (recomputable, no forward communication) and
+``project(h)`` is that projection with its all-reduce over TP (``launch(h, pieces)``: the same, left in
+flight, for Domino); ``residual`` adds bias, dropout and the residual. ``forward`` runs the two phases
+with synchronous all-reduces; Domino runs the same pieces per mu-chunk in the order of ``domino.order``
+(``domino.executor``), looking the phases up by name in ``phases``.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from .mlp import MLP
 from .moe import MoE
 from .norms import Norm
 from .recompute import recompute
+from .tokens import NO_CONTEXT, TokenContext
 
 
 class TransformerBlock(nn.Module):
@@ -30,29 +31,23 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg, ctx)
         self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, ctx)
         self.mlp = MoE(cfg, ctx) if cfg.is_moe_layer(layer_number) else MLP(cfg, ctx)  # same phase interface
+        self.phases = {"attention": (self.input_norm, self.attention), "mlp": (self.post_attention_norm, self.mlp)}
 
-    def forward(self, x: torch.Tensor, rotary=None, doc_offsets=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: TokenContext = NO_CONTEXT) -> torch.Tensor:
         """One layer with synchronous TP: each projection all-reduces (reduce-scatters under SP) in place."""
-        h = self.phase_hidden("attention", x, rotary, doc_offsets)  # norm, QKV, attention
-        x = self.residual(*self.attention.proj(h), x)  # output projection: all-reduce over TP
-        h = self.phase_hidden("mlp", x, rotary, doc_offsets)  # norm, (routing,) fc1, activation
-        return self.residual(*self.mlp.project(h), x)  # fc2 (of each expert): all-reduce over TP
+        x = self.residual(*self.attention.project(self.phase_hidden("attention", x, context)), x)  # all-reduce
+        x = self.residual(*self.mlp.project(self.phase_hidden("mlp", x, context)), x)  # all-reduce
+        return x
 
-    def _attention_hidden(self, x, rotary, doc_offsets):
-        return self.attention.context(self.input_norm(x), rotary, doc_offsets)
-
-    def _mlp_hidden(self, x):
-        return self.mlp.hidden(self.post_attention_norm(x))
-
-    def phase_hidden(self, phase: str, x: torch.Tensor, rotary, doc_offsets) -> torch.Tensor:
-        if phase == "attention":
-            args = (self._attention_hidden, x, rotary, doc_offsets)
-        else:
-            args = (self._mlp_hidden, x)
-        return recompute(*args, rng=self.ctx.rng) if self.full_recompute else args[0](*args[1:])
+    def phase_hidden(self, phase: str, x: torch.Tensor, context: TokenContext) -> torch.Tensor:
+        """norm, then the mixer's ``hidden``: recomputed in backward under full recompute."""
+        norm, mixer = self.phases[phase]
+        hidden = lambda x, context: mixer.hidden(norm(x), context)  # noqa: E731
+        return recompute(hidden, x, context, rng=self.ctx.rng) if self.full_recompute else hidden(x, context)
 
     def projection(self, phase: str):
-        return self.attention.proj if phase == "attention" else self.mlp
+        """The mixer of ``phase``: its ``project`` / ``launch`` is the phase's row-parallel projection."""
+        return self.phases[phase][1]
 
     def residual(self, reduced: torch.Tensor, bias, residual: torch.Tensor) -> torch.Tensor:
         """residual + dropout(reduced + bias); under SP the activations differ per TP rank, so the TP stream."""

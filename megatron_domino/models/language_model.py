@@ -26,6 +26,7 @@ from .moe import MoE
 from .norms import Norm
 from .ring_attention import local_positions
 from .rope import inverse_frequencies, rotary_tables
+from .tokens import TokenContext
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
@@ -94,10 +95,9 @@ class LanguageModel(nn.Module):
         """(global layer index, layer) of this chunk's mixture-of-experts layers."""
         return [(i, block.mlp) for i, block in zip(self.layer_ids, self.layers) if isinstance(block.mlp, MoE)]
 
-    def start_moe_step(self, loss_scale_per_sample: float) -> None:
-        """A training step begins: weigh the auxiliary losses so (see ``models.moe``), reset the routing stats."""
+    def reset_routing_stats(self) -> None:
+        """A training step begins: its MoE layers count their routing afresh (for the step's metrics)."""
         for _, layer in self.moe_layers():
-            layer.loss_scale_per_sample = loss_scale_per_sample
             layer.stats.reset()
 
     # ----- forward ------------------------------------------------------------------------------
@@ -111,9 +111,9 @@ class LanguageModel(nn.Module):
         hidden = input_tensor
         if self.has_embedding:
             hidden = self._embedding_tail(self.embedding.word_embeddings(batch["tokens"]), batch, slice(None))
-        rotary = self._rotary(batch, hidden.shape[0])
+        context = self._context(batch, hidden.shape[0])
         for block in self.layers:
-            hidden = block(hidden, rotary, batch.get("doc_offsets"))
+            hidden = block(hidden, context)
         return self._head(hidden, batch, slice(None), return_logits) if self.has_head else hidden
 
     def _forward_domino(self, input_tensor: torch.Tensor | None, batch: dict, return_logits: bool) -> torch.Tensor:
@@ -124,9 +124,8 @@ class LanguageModel(nn.Module):
         base, extra = divmod(batch_size, rows)  # tensor_split's sizes, computed on the host
         starts = [i * base + min(i, extra) for i in range(rows + 1)]
         slices = [slice(begin, end) for begin, end in zip(starts, starts[1:])]
-        rotary, offsets = self._rotary(batch, batch_size), batch.get("doc_offsets")
-        contexts = [(None if rotary is None else tuple(t[rows_] for t in rotary),
-                     None if offsets is None else offsets[rows_]) for rows_ in slices]
+        context = self._context(batch, batch_size)
+        contexts = [context.rows(rows_) for rows_ in slices]
         order = forward_order(len(self.layers), rows, self.plan.overlap, self.has_embedding, self.has_head)
         outputs = run_order(order, self.layers, [] if self.has_embedding else [input_tensor[r] for r in slices],
                             contexts, column_pieces=columns,
@@ -139,10 +138,12 @@ class LanguageModel(nn.Module):
         """Keep ``domino_step``: the Domino step running now (None between forwards), for traces."""
         self.domino_step = step
 
-    def _rotary(self, batch: dict, batch_size: int):
-        if self.cfg.position_embedding != "rope":
-            return None
-        return rotary_tables(self._position_ids(batch, batch_size), self.inv_freq)
+    def _context(self, batch: dict, batch_size: int) -> TokenContext:
+        """The tokens' context for every block: rotary tables, document offsets, the step's auxiliary loss
+        weight (``batch["aux_loss_weight"]``, set by the pipeline engine; 1 elsewhere)."""
+        rotary = (rotary_tables(self._position_ids(batch, batch_size), self.inv_freq)
+                  if self.cfg.position_embedding == "rope" else None)
+        return TokenContext(rotary, batch.get("doc_offsets"), batch.get("aux_loss_weight", 1.0))
 
     def _head(self, hidden: torch.Tensor, batch: dict, rows: slice, return_logits: bool) -> torch.Tensor:
         hidden = self.final_norm(hidden)

@@ -24,8 +24,9 @@ class MLP(nn.Module):
         self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, ctx, bias=cfg.bias,
                                      init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers))
 
-    def hidden(self, x):
-        """Everything up to the second projection: [b, s, h] -> this rank's [b, s, ffn / tp]."""
+    def hidden(self, x, context=None):
+        """Everything up to the second projection: [b, s, h] -> this rank's [b, s, ffn / tp] (the tokens'
+        ``context``, part of the phase interface, changes nothing here)."""
         return self.activate(self.fc1(x))
 
     def activate(self, y):

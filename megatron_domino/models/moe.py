@@ -30,11 +30,12 @@ tp and its gradient sums over TP. Under SP the router reads this rank's slice (i
 
 Auxiliary losses reach the gradient without a change to the pipeline (as Megatron does): ``_AttachLoss``
 is the identity on the gates and in backward seeds the losses' gradient. Their weight
-in the objective: the engine sets ``loss_scale_per_sample`` each step to loss_scale / (num_microbatches *
-dp * cp * micro_batch), so the objective is the LM loss (token mean over the global batch) plus the
-auxiliary losses averaged over micro-batches and data-parallel ranks. A routing group (the tokens routed
-together: a micro-batch on one CP rank, or a Domino mu-chunk of it) of b samples weighs
-loss_scale_per_sample * b; the balance loss and the capacity are computed per routing group.
+in the objective: the engine gives each step's micro-batches ``aux_loss_weight`` = loss_scale /
+(num_microbatches * dp * cp * micro_batch), which reaches this layer in the ``TokenContext``, so the
+objective is the LM loss (token mean over the global batch) plus the auxiliary losses averaged over
+micro-batches and data-parallel ranks. A routing group (the tokens routed together: a micro-batch on one
+CP rank, or a Domino mu-chunk of it) of b samples weighs aux_loss_weight * b; the balance loss and the
+capacity are computed per routing group.
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ from .expert_dispatch import ExpertExchange
 from .expert_linear import experts_linear, grouped_mm
 from .mlp import MLP
 from .router import Routing, route
+from .tokens import NO_CONTEXT, TokenContext
 
 
 @dataclass
@@ -64,6 +66,7 @@ class Routed:
     exchange: ExpertExchange  # where those rows go and how they come back
     hidden: torch.Tensor  # fc1 + activation of the rows the local experts received, grouped by expert [n, ffn / tp]
     shared: torch.Tensor | None  # the shared experts' activations [b, s, shared ffn / tp]
+    aux_loss_weight: float  # the step's weight of the auxiliary losses per sample (``TokenContext``)
 
 
 class MoEStats:
@@ -130,10 +133,9 @@ class MoE(nn.Module):
                              f"torch >= 2.9, or set model.moe_grouped_gemm=false (a loop over the experts)")
         self.shared_experts = (MLP(cfg, ctx, cfg.moe_shared_experts * cfg.moe_ffn_size)
                                if cfg.moe_shared_experts else None)
-        self.loss_scale_per_sample = 1.0
         self.stats = MoEStats(cfg.num_experts, ctx.device)
 
-    def hidden(self, x: torch.Tensor) -> Routed:
+    def hidden(self, x: torch.Tensor, context: TokenContext = NO_CONTEXT) -> Routed:
         """Route this rank's [b, s(/tp under SP), h] tokens and run every expert's first half on its tokens."""
         group = self.ctx.group
         enter = comm.gather_from_sp if self.ctx.sequence_parallel else comm.copy_to_tp
@@ -154,7 +156,7 @@ class MoE(nn.Module):
                              [expert.fc1 for expert in self.experts.values()], self.grouped_gemm)
         hidden = next(iter(self.experts.values())).activate(fc1)
         shared = self.shared_experts.hidden(x) if self.shared_experts is not None else None
-        return Routed(shape, routing, assignments, token_ids, exchange, hidden, shared)
+        return Routed(shape, routing, assignments, token_ids, exchange, hidden, shared, context.aux_loss_weight)
 
     def _my_tokens(self, count: int) -> torch.Tensor:
         """[T, 1] bool: with whole experts, the slice of the tokens this TP rank routes."""
@@ -172,7 +174,7 @@ class MoE(nn.Module):
             self.stats.add(routing)
             if self.aux_coeff or self.z_coeff:
                 loss = self.aux_coeff * routing.aux_loss + self.z_coeff * routing.z_loss
-                gates = _AttachLoss.apply(gates, loss, self.loss_scale_per_sample * b / tp)
+                gates = _AttachLoss.apply(gates, loss, routed.aux_loss_weight * b / tp)
         outputs = experts_linear(routed.hidden, routed.exchange.local_sizes,
                                  [expert.fc2 for expert in self.experts.values()], self.grouped_gemm,
                                  tp if self.split else 1)

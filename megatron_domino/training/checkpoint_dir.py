@@ -31,19 +31,11 @@ import torch.distributed as dist
 
 from .. import checkpoint_format as fmt
 from ..config.errors import CheckpointError
-from ..models.counters import count_parameters
 
 LOCK = ".lock"
 HEARTBEAT_S = 60.0
 STALE_AFTER_S = 900.0  # 15 heartbeats missed: the holder is gone even if its pid cannot be checked from here
 RUN_DIRS_VERDICT = "run dirs verdict"  # the name of rank 0's store key in ``prepare_run_dirs``
-
-
-def checkpoint_bytes(cfg) -> int:
-    """One checkpoint's size, estimated: each parameter in its training dtype plus 12 bytes of fp32 optimizer
-    state (Adam's master copy and two moments; an upper bound for SGD)."""
-    param_bytes = 2 if cfg.train.bf16 or cfg.train.fp16 else 4
-    return count_parameters(cfg.model) * (param_bytes + 12)
 
 
 class DirLock:
@@ -164,7 +156,7 @@ def _remove_leftovers(root: str) -> None:
 
 
 def _check_free_space(cfg) -> None:
-    root, need = cfg.checkpoint.dir, checkpoint_bytes(cfg)
+    root, need = cfg.checkpoint.dir, fmt.estimated_bytes(cfg)
     free = shutil.disk_usage(root).free
     if free >= need:
         return
