@@ -28,7 +28,8 @@ from megatron_domino.pipeline.schedules import build_schedule
 from megatron_domino.pipeline.simulate import Costs, simulate
 from megatron_domino.pipeline.stages import layer_partition
 from megatron_domino.planner.hardware import get_gpu
-from megatron_domino.planner.memory import chunk_activation_bytes, estimate_memory, in_flight, rank_parameters
+from megatron_domino.planner.activations import chunk_activation_bytes
+from megatron_domino.planner.memory import estimate_memory, in_flight, rank_parameters
 from megatron_domino.planner.search import Layout, evaluate, rank_layouts
 from megatron_domino.planner.timing import estimate_step_time
 

@@ -11,7 +11,8 @@ import pytest
 from megatron_domino.config import load_config
 from megatron_domino.validation import validate_config
 from megatron_domino.planner.hardware import get_gpu
-from megatron_domino.planner.memory import chunk_activation_bytes, estimate_memory, rank_parameters
+from megatron_domino.planner.activations import chunk_activation_bytes
+from megatron_domino.planner.memory import estimate_memory, rank_parameters
 from megatron_domino.planner.report import format_table
 from megatron_domino.planner.search import candidate_layouts, first_valid, rank_layouts
 from megatron_domino.planner.timing import estimate_step_time

@@ -14,7 +14,8 @@ from megatron_domino.models import LanguageModel
 from megatron_domino.pipeline.program import virtual_stage
 from megatron_domino.pipeline.stages import layer_partition
 from megatron_domino.planner.hardware import get_gpu
-from megatron_domino.planner.memory import chunk_activation_bytes, estimate_stages, rank_parameters
+from megatron_domino.planner.activations import chunk_activation_bytes
+from megatron_domino.planner.memory import estimate_stages, rank_parameters
 from megatron_domino.planner.report import format_table
 from megatron_domino.planner.search import candidate_layouts, first_valid, rank_layouts
 from megatron_domino.planner.timing import estimate_step_time

@@ -29,10 +29,10 @@ from megatron_domino.config.schema import TokenizerConfig
 from megatron_domino.files import atomic_open
 
 from .indexed_dataset import IndexedDatasetBuilder, token_dtype
+from .jsonl_ranges import partition_ranges, read_batches
 from .progress import Progress
 from .tokenizer import build_tokenizer
 
-_BATCH_LINES, _BATCH_BYTES = 256, 1 << 20  # one worker task
 _BAD_LINES_KEPT = 10_000
 
 
@@ -161,7 +161,7 @@ def preprocess(options: PreprocessOptions, progress_stream=None) -> PreprocessSt
         os.makedirs(os.path.dirname(options.output_prefix), exist_ok=True)
     tokenizer = build_tokenizer(options.tokenizer, options.vocab_size, options.tokenizer_impl)
     dtype = token_dtype(tokenizer.vocab_size)
-    ranges = _partition_ranges(options.input, options.partitions)
+    ranges = partition_ranges(options.input, options.partitions)
     start, total = time.monotonic(), PreprocessStats()
     progress = Progress(os.path.getsize(options.input), stream=progress_stream, rated=("tokens",))
     print(f"tokenizer: {options.tokenizer.type}, {tokenizer.backend}; {options.workers} worker"
@@ -190,7 +190,7 @@ def _convert_range(options, byte_range, prefixes: dict, dtype, pool, progress) -
     stats = PreprocessStats()
     builders = {key: IndexedDatasetBuilder(prefix, dtype) for key, prefix in prefixes.items()}
     try:
-        for out, batch_stats in _encoded(_read_batches(options.input, byte_range), pool, 4 * options.workers):
+        for out, batch_stats in _encoded(read_batches(options.input, byte_range), pool, 4 * options.workers):
             for key, (tokens, lengths) in out.items():
                 builders[key].add_documents(tokens, lengths)
             stats.add(batch_stats)
@@ -258,52 +258,6 @@ def _signature(options: PreprocessOptions) -> dict:
 def _remove_parts(prefix: str) -> None:
     for path in glob.glob(glob.escape(prefix) + ".part*-of-*") + glob.glob(glob.escape(prefix) + ".partitions.json"):
         os.remove(path)
-
-
-def _partition_ranges(path: str, partitions: int) -> list[tuple[int, int, int]]:
-    """(first byte, end byte, first line number) of up to ``partitions`` line-aligned byte ranges."""
-    size = os.path.getsize(path)
-    starts = [0]
-    with open(path, "rb") as f:
-        for k in range(1, partitions):
-            f.seek(max(starts[-1], k * size // partitions))
-            if f.tell() > 0:
-                f.seek(f.tell() - 1)
-                f.readline()  # move to the start of the next line
-            if starts[-1] < f.tell() < size:
-                starts.append(f.tell())
-        bounds = starts + [size]
-        first_lines, line = [], 1
-        for a, b in zip(bounds, bounds[1:]):
-            first_lines.append(line)
-            f.seek(a)
-            remaining = b - a
-            while remaining > 0:
-                chunk = f.read(min(remaining, 1 << 24))
-                line += chunk.count(b"\n")
-                remaining -= len(chunk)
-    return [(a, b, n) for a, b, n in zip(bounds, bounds[1:], first_lines)]
-
-
-def _read_batches(path: str, byte_range: tuple[int, int, int]):
-    """Batches (first line number, raw lines) from a byte range, for the workers."""
-    start, end, line_no = byte_range
-    with open(path, "rb") as f:
-        f.seek(start)
-        batch, batch_bytes, pos = [], 0, start
-        while pos < end:
-            raw = f.readline()
-            if not raw:
-                break
-            pos += len(raw)
-            batch.append(raw)
-            batch_bytes += len(raw)
-            if len(batch) >= _BATCH_LINES or batch_bytes >= _BATCH_BYTES:
-                yield line_no, batch
-                line_no += len(batch)
-                batch, batch_bytes = [], 0
-        if batch:
-            yield line_no, batch
 
 
 def _read_json(path: str):

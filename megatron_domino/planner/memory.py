@@ -12,46 +12,7 @@ Static state, per parameter held by the rank (its TP shard of its pipeline chunk
   divided by dp*cp under ZeRO >= 1.
 Mixture of experts: a rank holds its ep share of the experts, whose ZeRO shards span dp*cp/ep ranks (``moe.py``).
 
-Activations: the bytes autograd saves for backward, per micro-batch, counted tensor by tensor for
-OUR block rather than with Korthikanti et al.'s formula (34*s*b*h + 5*a*s^2*b bytes per layer for
-Megatron's fused fp16 kernels), which does not describe this code: norms here compute in fp32 (their
-saved input is a 4-byte copy, and CPU builds of torch decompose RMSNorm and save its normalised output
-too; CUDA builds run the fused ``_fused_rms_norm``, which saves input and rstd only), SDPA is a flash
-kernel on CUDA and on CPU so the a*s^2 score matrix is never stored (only a fp32 logsumexp; the ``math``
-backend would store it: not modelled), GQA's K/V reach SDPA unexpanded (except under the ``efficient``
-kernel, which copies them per query head), RoPE's rotated Q/K are new tensors, and the sequence-parallel
-all-gather's output (the full sequence) is what the following linear saves. Per token and TP rank (e = 2 or 4 bytes,
-t = tp, r = t under sequence parallelism else 1, a*d = query width, g*d = KV width, f = FFN):
-
-    each norm       LayerNorm 4h/r + 8/r (fp32 input, mean, rstd); RMSNorm 4h/r + 4/r on CUDA (fp32
-                    input, rstd), 8h/r + 4/r on CPU (also the fp32 normalised output)
-    attention       e*h (QKV input)  + e*(a+2g)*d/t (the QKV output, while a view of it is saved) + the
-                    new tensors: Q e*a*d/t and K e*g*d/t under RoPE, K and V e*a*d/t each when expanded
-                    + e*a*d/t (SDPA output = projection input) + 4a/t (logsumexp)
-    MLP             e*h (FC1 input) + GeLU 2e*f/t (FC1 output, activation output) or SwiGLU 4e*f/t
-    MoE             in place of the MLP: the router and k routed rows per token (``moe.py``), and the
-                    shared experts as an MLP of width moe_shared_experts * f
-    dropout         a mask of h/r elements after attention and after the MLP: 1 byte each on CUDA
-                    (a bool mask), e bytes on CPU (torch keeps a scaled mask of the input's dtype);
-                    attention-probability dropout keeps no mask in flash attention (on CPU, SDPA with
-                    dropout falls back to the math kernel and keeps the score matrix: not modelled)
-
-Selective recompute drops the logsumexp (SDPA's other inputs are the checkpoint's inputs and its output
-is the projection's input, so nothing else). Full recompute keeps, per layer, each phase's input
-(2e*h/r), the two projection inputs (e*a*d/t + e*f/t) and the dropout masks; one phase's activations
-are rebuilt at a time in backward (counted as transient). Per model chunk and micro-batch, the first
-stage adds token ids (8 B/token) and an embedding dropout mask; RoPE adds fp32 cos/sin (8d B/token);
-the last stage adds a norm, the head input (e*h) and the loss's fp32 softmax (4V/t) with int64
-targets; other stages keep the received input (e*h/r) when it is not the first norm's own saved input.
-
-Context parallelism (cp > 1) and documents. A rank holds s/cp tokens of each sequence, so every
-per-token term above counts s/cp tokens. Ring attention (``models/ring_attention.py``) runs the same
-flash-style kernels block by block and saves what they save for the local tokens (the K/V blocks received
-from other ranks are sent on, not kept). Its backward peak is transient, beside full recompute's rebuilt
-phase: the fp32 dQ accumulator (4a*d/t), the K/V block in use and the next one (4e*g*d/t), their fp32
-dK/dV, in use and received (16g*d/t), and under GQA the K/V repeated per query head (2e*a*d/t).
-Document masking (``data.reset_attention_mask``) runs one causal kernel call per document on slices of
-the same Q, K and V: its cost is the O(L) offsets, so there is no L^2 term with or without CP.
+Activations per token: ``planner/activations.py``, tensor by tensor for this code.
 
 In flight: a rank holds the activations of every micro-batch whose forward has run and backward has
 not. 1F1B: min(pp - rank, m) on rank ``rank``; interleaved: Megatron's warm-up count + 1 chunk-micro-
@@ -65,16 +26,18 @@ CUDA context, NCCL buffers and fragmentation.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache, wraps
 
-from ..config.schema import Config, ModelConfig
+from ..config.schema import Config
 from ..models.counters import norm_parameters
 from ..pipeline.program import virtual_stage
 from ..pipeline.schedules import interleaved_warmup, schedule_kind
 from ..pipeline.stages import layer_partition
+from .activations import (chunk_activation_bytes, loss_transient_bytes, recompute_working_bytes,
+                          ring_transient_bytes, weight_bytes)
 from .hardware import GPU
-from .moe import expert_replicas, layer_parameters, routed_activation_bytes, whole_experts
+from .moe import expert_replicas, layer_parameters, whole_experts
 
 GIB = 2**30
 
@@ -103,10 +66,6 @@ class StageMemory:
                  ("act", self.activations), ("transient", self.transient), ("overhead", self.overhead)]
         terms = " + ".join(f"{name} {value / scale:.1f}" for name, value in parts)
         return f"{terms} = {self.total / scale:.1f} {unit}"
-
-
-def weight_bytes(cfg: Config) -> int:
-    return 2 if (cfg.train.bf16 or cfg.train.fp16) else 4
 
 
 def per_model_layout(fn):
@@ -188,107 +147,6 @@ def static_bytes(cfg: Config, params: float, dp: int, experts: float = 0.0) -> t
     return params * e, grads + min(bucketed, opt.bucket_size_mb * 2**20), state
 
 
-# ----- activations -------------------------------------------------------------------------------
-def _norm_bytes(model: ModelConfig, shard: int, gpu: GPU) -> float:
-    h = model.hidden_size
-    if model.norm == "layernorm":
-        return (4 * h + 8) / shard
-    return ((4 if gpu.is_cuda else 8) * h + 4) / shard
-
-
-def _dropout_mask_bytes(cfg: Config, gpu: GPU) -> float:
-    """Bytes per token of one hidden-state dropout mask (0 without dropout)."""
-    if cfg.model.hidden_dropout == 0:
-        return 0.0
-    shard = cfg.parallel.tp if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1 else 1
-    return (1 if gpu.is_cuda else weight_bytes(cfg)) * cfg.model.hidden_size / shard
-
-
-def _mlp_bytes(cfg: Config, width: int) -> float:
-    """Saved bytes per token of a dense MLP of ``width`` without its norm and mask (full recompute: fc2's input)."""
-    e, t = weight_bytes(cfg), cfg.parallel.tp
-    if cfg.model.recompute == "full":
-        return e * width / t
-    return e * cfg.model.hidden_size + (4 if cfg.model.activation == "swiglu" else 2) * e * width / t
-
-
-def _feed_forward_bytes(cfg: Config, moe: bool) -> float:
-    """The dense MLP's, or an MoE layer's: routed experts (``moe.py``) and the shared ones as a dense MLP."""
-    model = cfg.model
-    if not moe:
-        return _mlp_bytes(cfg, model.ffn_size)
-    shared = _mlp_bytes(cfg, model.moe_shared_experts * model.moe_ffn_size) if model.moe_shared_experts else 0.0
-    return routed_activation_bytes(cfg, weight_bytes(cfg)) + shared
-
-
-def layer_activation_bytes(cfg: Config, gpu: GPU, moe: bool = False) -> tuple[float, float, float]:
-    """(saved bytes per token of one block, of its attention phase, of its MLP phase) on one TP rank; ``moe``:
-    a block with experts."""
-    model, par = cfg.model, cfg.parallel
-    e, t = weight_bytes(cfg), par.tp
-    r = t if par.sequence_parallel and t > 1 else 1
-    h, d = model.hidden_size, model.head_dim
-    a, g = model.num_attention_heads, model.query_groups
-    rope = model.position_embedding == "rope"
-    expanded = g < a and model.attention_backend == "efficient"  # K and V copied per query head
-    mask = _dropout_mask_bytes(cfg, gpu)
-    if model.recompute == "full":
-        total = 2 * e * h / r + e * a * d / t + _feed_forward_bytes(cfg, moe) + 2 * mask
-        return total, 0.0, 0.0
-    qkv_storage = 0.0 if (rope and expanded) else e * (a + 2 * g) * d / t  # some of Q, K, V is a view of it
-    new_qkv = e * d / t * (a * int(rope) + (2 * a if expanded else g * int(rope)))
-    logsumexp = 0.0 if model.recompute == "selective" else 4 * a / t
-    attention = _norm_bytes(model, r, gpu) + e * h + qkv_storage + new_qkv + e * a * d / t + logsumexp + mask
-    mlp = _norm_bytes(model, r, gpu) + _feed_forward_bytes(cfg, moe) + mask
-    return attention + mlp, attention, mlp
-
-
-def _recompute_working_bytes(cfg: Config, gpu: GPU) -> float:
-    """Full recompute rebuilds one phase of one layer in backward: that phase's activations, per token."""
-    plain = replace(cfg, model=replace(cfg.model, recompute="none"))
-    _, attention, mlp = layer_activation_bytes(plain, gpu)
-    return max(attention, mlp, layer_activation_bytes(plain, gpu, moe=True)[2] if cfg.model.num_experts else 0.0)
-
-
-def chunk_activation_bytes(cfg: Config, gpu: GPU, layers: int, first: bool, last: bool, moe_layers: int = 0) -> float:
-    """Saved bytes per token of one model chunk holding ``layers`` blocks, ``moe_layers`` of them with experts (and
-    the embedding / head)."""
-    model, par = cfg.model, cfg.parallel
-    e, t = weight_bytes(cfg), par.tp
-    r = t if par.sequence_parallel and t > 1 else 1
-    h = model.hidden_size
-    total = (layers - moe_layers) * layer_activation_bytes(cfg, gpu)[0]
-    total += moe_layers * layer_activation_bytes(cfg, gpu, moe=True)[0] if moe_layers else 0.0
-    if layers and model.position_embedding == "rope":
-        total += 8 * model.head_dim
-    if first:
-        total += 8 + (1 if t > 1 else 0) + _dropout_mask_bytes(cfg, gpu)
-    elif e != 4 and model.recompute != "full":
-        total += e * h / r
-    if last:
-        total += _norm_bytes(model, r, gpu) + e * h + 4 * model.padded_vocab_size(t) / t + 9
-    return total
-
-
-def ring_transient_bytes(cfg: Config) -> float:
-    """Bytes per local token that ring attention's backward holds beyond the saved tensors; 0 at cp 1."""
-    if cfg.parallel.cp == 1:
-        return 0.0
-    model, e = cfg.model, weight_bytes(cfg)
-    heads, groups = model.num_attention_heads, model.query_groups
-    repeated = 2 * e * heads if groups < heads else 0
-    return (4 * heads + 4 * e * groups + 16 * groups + repeated) * model.head_dim / cfg.parallel.tp
-
-
-def loss_transient_bytes(cfg: Config) -> float:
-    """Extra bytes per token while the loss's forward runs, beyond the softmax it keeps."""
-    e, t = weight_bytes(cfg), cfg.parallel.tp
-    model = cfg.model
-    vocab = model.padded_vocab_size(t) / t
-    fp32_copy = e != 4 or model.padded_vocab_size(t) > model.vocab_size  # a cast, or the masked copy
-    return (e + (4 if fp32_copy else 0) + 4) * vocab
-
-
 def in_flight(cfg: Config, dp: int) -> list[int]:
     """Micro-batches (chunk-micro-batches when interleaved) whose activations each pipeline rank holds at its peak."""
     pp, v = cfg.parallel.pp, cfg.parallel.virtual_pp
@@ -312,7 +170,7 @@ def estimate_stages(cfg: Config, dp: int, gpu: GPU) -> list[StageMemory]:
     tokens = cfg.train.micro_batch_size * cfg.model.seq_length / par.cp  # this rank's part of each sequence
     attention = ring_transient_bytes(cfg)
     if cfg.model.recompute == "full":
-        attention += _recompute_working_bytes(cfg, gpu)
+        attention += recompute_working_bytes(cfg, gpu)
     flights = in_flight(cfg, dp)
     chunk_bytes = cache(lambda layers, first, last: chunk_activation_bytes(
         cfg, gpu, len(layers), first, last, sum(map(cfg.model.is_moe_layer, layers))))

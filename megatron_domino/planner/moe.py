@@ -18,7 +18,7 @@ k * T / tp with the whole expert width f (not f / tp). The search leaves expert_
 
 Activations: what autograd saves in ``models/moe.py``, per token (r = tp under SP, else 1) and per routed row
 (k per token: dropless and balanced, so about kT rows reach each rank; capacity drops and imbalance are not
-modelled), beside the norm and dropout mask that the block's dense MLP phase has too (``memory.py``):
+modelled), beside the norm and dropout mask that the block's dense MLP phase has too (``activations.py``):
 
     router      its fp32 input copy 4h/r (in fp32 without SP it is the norm's output, which the shared experts'
                 fc1 saves already), fp32 logits (for the z-loss's logsumexp) and softmax probs or sigmoid
@@ -34,7 +34,7 @@ Per micro-batch, not per token: the router weight's fp32 copy (4Eh, 16-bit weigh
 expert weights themselves, not their stack (``models/expert_linear.py``). Full recompute keeps, of the routed
 part, only what the projection reads outside the phase: per row e*f/t (fc2's input), e*h twice and e
 (combined and weighted rows, gate), 16 (+ 8 when tokens are exchanged) of indices. Shared experts are a dense
-MLP of width moe_shared_experts * f (``memory.py``).
+MLP of width moe_shared_experts * f (``activations.py``).
 """
 from __future__ import annotations
 
