@@ -25,6 +25,8 @@ is still the whole gradient: the all-to-all's backward already brought every ran
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -34,7 +36,18 @@ from ..parallel import comm
 from .grad_buffer import Fragment, GradBuffer
 from .grad_norm import global_norm, local_squared_norm
 from .loss_scaler import found_inf_across_ranks, loss_scaler_from_config
-from .param_groups import build_inner_optimizer, weight_decay_groups
+from .param_groups import STATE_KEYS, build_inner_optimizer, uses_apex, weight_decay_groups
+
+
+@dataclass(frozen=True)
+class OwnedFragment:
+    """What a checkpoint keeps of one fragment this rank steps (``owned_fragments``)."""
+
+    fragment: Fragment
+    name: str  # the parameter's stored name: its global name, or its original's for a tied copy
+    info: object  # the parameter's sharding-table row (``tensor_parallel.ParamInfo``)
+    master: torch.Tensor  # the fp32 master of the fragment (flat)
+    states: dict  # the inner optimizer's state tensors for it by name (none before the first step)
 
 
 class DistributedOptimizer:
@@ -206,7 +219,41 @@ class DistributedOptimizer:
         for master in self.masters:
             master.grad = None
 
-    # ----- accounting (the checkpoint state is optim/sharded_state.py's) ---------------------------------
+    # ----- what a checkpoint needs (optim/sharded_state.py places it in layout-free full tensors) ---------
+    def owned_fragments(self) -> list[OwnedFragment]:
+        states = self.optimizer.state if self.optimizer is not None else {}
+        return [OwnedFragment(f, self.infos[id(f.param)].tied_to or self.names[id(f.param)], self.infos[id(f.param)],
+                              m, states.get(m, {})) for f, m in zip(self.fragments, self.masters)]
+
+    def state_keys(self) -> tuple[str, ...]:
+        """The inner optimizer's per-parameter state tensors (Adam's moments, SGD's momentum; none without one)."""
+        return STATE_KEYS[self.opt.name] if self.optimizer is not None else ()
+
+    def scalars(self) -> dict:
+        """The optimizer's scalars, the same on every rank: the loss scaler's state and the step count."""
+        return {"scaler": self.scaler.state_dict(), "step": self.steps}
+
+    def load(self, states: list[dict], scalars: dict) -> None:
+        """Take loaded state tensors (per owned fragment, in ``owned_fragments`` order) and ``scalars``."""
+        step = int(scalars["step"])
+        if any(states):
+            index_of = {id(m): i for i, m in enumerate(self.masters)}
+            packed = self.optimizer.state_dict()
+            per_index = {}
+            for index, master in enumerate(m for group in self.optimizer.param_groups for m in group["params"]):
+                entry = dict(states[index_of[id(master)]])
+                if self.opt.name == "adamw":
+                    entry["step"] = torch.tensor(float(step))
+                per_index[index] = entry
+            packed["state"] = per_index
+            if uses_apex(self.opt, self.device):  # apex counts steps per group, not per tensor
+                for group in packed["param_groups"]:
+                    group["step"] = step
+            self.optimizer.load_state_dict(packed)
+        self.scaler.load_state_dict(scalars["scaler"])
+        self.steps = step
+
+    # ----- accounting ------------------------------------------------------------------------------------
     def memory_report(self) -> dict:
         """Bytes held on this rank. ``master_bytes`` counts fp32 masters even where they are the fp32
         weights themselves; ``params`` is the number of weight elements on this rank."""
