@@ -7,9 +7,10 @@ from megatron_domino.models.full_state import gather_full
 from megatron_domino.models.language_model import WORD_EMBEDDINGS
 from megatron_domino.optim.distributed_optimizer import DistributedOptimizer
 from megatron_domino.parallel import ParallelState, Topology
+from megatron_domino.models.stage_chunks import build_chunks
 from megatron_domino.pipeline.engine import PipelineEngine
 from megatron_domino.pipeline.finalize_grads import finalize_grads
-from megatron_domino.pipeline.stages import build_stage_chunks
+from megatron_domino.pipeline.stages import chunk_places
 
 TOL = 1e-5
 
@@ -70,7 +71,7 @@ def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, ch
     the full weights (and appends each step's gradient norm to ``norms``); the layout's groups are destroyed
     afterwards."""
     ps = ParallelState(Topology.from_config(cfg.parallel, world_size), strict=True)
-    chunks = build_stage_chunks(cfg, ps, init_seed=3)
+    chunks = build_chunks(cfg, ps, chunk_places(cfg, ps.pp_rank), init_seed=3)
     optimizer = DistributedOptimizer.for_layout(chunks, optimizer_config, ps, bucket_alone=(WORD_EMBEDDINGS,))
     engine, losses = None, []
     for micro in steps_of_microbatches(ps):

@@ -7,10 +7,11 @@ from megatron_domino.config import Config, ModelConfig
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.models.full_state import gather_full
 from megatron_domino.parallel import ParallelState, Topology
+from megatron_domino.models.stage_chunks import build_chunks
 from megatron_domino.pipeline.engine import PipelineEngine
 from megatron_domino.pipeline.finalize_grads import finalize_grads
 from megatron_domino.pipeline.p2p import P2P
-from megatron_domino.pipeline.stages import build_stage_chunks
+from megatron_domino.pipeline.stages import chunk_places
 from megatron_domino.pipeline.strict_transport import StrictP2P
 from tests.harness import run_ranks
 
@@ -55,7 +56,7 @@ def _reference(model):
 def _run_layout(rank, world_size, cfg):
     par = cfg.parallel
     ps = ParallelState(Topology(world_size, par.tp, par.pp, par.dp, par.virtual_pp), strict=True)
-    chunks = build_stage_chunks(cfg, ps, init_seed=3)
+    chunks = build_chunks(cfg, ps, chunk_places(cfg, ps.pp_rank), init_seed=3)
     tokens, labels, mask = _global_batch(cfg.model)
     per_rank = GLOBAL_BATCH // ps.dp_size
     rows = slice(ps.dp_rank * per_rank, (ps.dp_rank + 1) * per_rank)

@@ -1,15 +1,12 @@
-"""Building this rank's model chunks, and keeping tied embeddings equal across stages."""
+"""Where this rank's model chunks sit in the pipeline, and keeping tied embeddings equal across stages."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from ..domino.plan import DominoPlan
-from ..models import LanguageModel, initialize_weights
 from ..models.counters import count_parameters
-from ..tensor_parallel import LayerContext
 from .partition import partition_layers, stage_layers
 from .program import virtual_stage
 
@@ -28,25 +25,23 @@ def layer_partition(cfg) -> list[list[int]]:
                             par.pipeline_layout)
 
 
-def build_stage_chunks(cfg, state, *, dtype=torch.float32, device=None, init_seed: int | None = None,
-                       rng=None) -> list:
-    """This rank's model chunks (one per virtual stage it holds); only their parameters are allocated.
-    ``rng``: the run's ``RNGTracker``, which every chunk's dropout draws from."""
+@dataclass(frozen=True)
+class ChunkPlace:
+    """Where one of this rank's model chunks sits in the pipeline: its layers, and whether it is the first
+    stage (embedding) or the last (output head). The model side builds the chunk from it
+    (``models.stage_chunks.build_chunks``)."""
+
+    layer_ids: list[int]
+    has_embedding: bool
+    has_head: bool
+
+
+def chunk_places(cfg, pp_rank: int) -> list[ChunkPlace]:
+    """The places of pipeline rank ``pp_rank``'s chunks, one per virtual stage it holds, in chunk order."""
     par = cfg.parallel
-    partition = layer_partition(cfg)
-    stages = par.pp * par.virtual_pp
-    plan = DominoPlan.from_config(par)
-    ctx = LayerContext(state.tp_group, par.sequence_parallel, dtype=dtype, device=device, cp_group=state.cp_group,
-                    ep_group=state.expert_group, experts_split=state.topology.expert_tp == state.tp_size, rng=rng)
-    chunks = []
-    for chunk in range(par.virtual_pp):
-        stage = virtual_stage(state.pp_rank, chunk, par.pp)
-        model = LanguageModel(cfg.model, ctx, layer_ids=stage_layers(partition, state.pp_rank, chunk, par.pp),
-                              has_embedding=stage == 0, has_head=stage == stages - 1, plan=plan)
-        if init_seed is not None:
-            initialize_weights(model, init_seed, state.tp_rank, state.tp_size)
-        chunks.append(model)
-    return chunks
+    partition, stages = layer_partition(cfg), par.pp * par.virtual_pp
+    return [ChunkPlace(stage_layers(partition, pp_rank, chunk, par.pp), stage == 0, stage == stages - 1)
+            for chunk, stage in ((c, virtual_stage(pp_rank, c, par.pp)) for c in range(par.virtual_pp))]
 
 
 def tied_embedding_params(chunks) -> list[torch.Tensor]:

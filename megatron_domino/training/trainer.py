@@ -15,6 +15,7 @@ from torch.profiler import record_function
 
 from ..config.loader import save_config
 from ..models.language_model import WORD_EMBEDDINGS
+from ..models.stage_chunks import build_chunks
 from ..optim import LRSchedule
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..parallel import Topology, init_distributed
@@ -23,7 +24,7 @@ from ..parallel.random import RNGTracker
 from ..parallel.state import ParallelState
 from ..pipeline.engine import PipelineEngine
 from ..pipeline.finalize_grads import finalize_grads
-from ..pipeline.stages import build_stage_chunks
+from ..pipeline.stages import chunk_places
 from .cadence import StepCadence
 from .checkpoint import Checkpointer, load_phase, resolve_load_path, save_phase
 from .checkpoint_dir import RUN_DIRS_VERDICT, prepare_run_dirs
@@ -66,8 +67,8 @@ class Trainer:
         par, train = cfg.parallel, cfg.train
         self.rng = RNGTracker.seeded(train.seed, self.state.tp_rank, self.state.pp_rank, self.device)
         self.dtype = param_dtype(train)
-        self.chunks = build_stage_chunks(cfg, self.state, dtype=self.dtype, device=self.device, init_seed=train.seed,
-                                         rng=self.rng)
+        self.chunks = build_chunks(cfg, self.state, chunk_places(cfg, self.state.pp_rank), dtype=self.dtype,
+                                   device=self.device, init_seed=train.seed, rng=self.rng)
         self.optimizer = DistributedOptimizer.for_layout(self.chunks, cfg.optimizer, self.state, fp16=train.fp16,
                                                          bf16=train.bf16, bucket_alone=(WORD_EMBEDDINGS,))
         self.lr_schedule = LRSchedule.from_config(cfg.optimizer, train.steps)

@@ -1,0 +1,28 @@
+"""This rank's model chunks, built from their places in the pipeline (``pipeline.stages.chunk_places``)."""
+from __future__ import annotations
+
+import torch
+
+from ..domino.plan import DominoPlan
+from ..tensor_parallel import LayerContext
+from .init import initialize_weights
+from .language_model import LanguageModel
+
+
+def build_chunks(cfg, state, places, *, dtype=torch.float32, device=None, init_seed: int | None = None,
+                 rng=None) -> list[LanguageModel]:
+    """One ``LanguageModel`` per place (its layers, embedding, head), on ``state``'s groups; only the parameters
+    are allocated, initialised from ``init_seed`` when given. ``rng``: the run's ``RNGTracker``, which every
+    chunk's dropout draws from."""
+    par = cfg.parallel
+    ctx = LayerContext(state.tp_group, par.sequence_parallel, dtype=dtype, device=device, cp_group=state.cp_group,
+                       ep_group=state.expert_group, experts_split=state.topology.expert_tp == state.tp_size, rng=rng)
+    plan = DominoPlan.from_config(par)
+    chunks = []
+    for place in places:
+        model = LanguageModel(cfg.model, ctx, layer_ids=place.layer_ids, has_embedding=place.has_embedding,
+                              has_head=place.has_head, plan=plan)
+        if init_seed is not None:
+            initialize_weights(model, init_seed, state.tp_rank, state.tp_size)
+        chunks.append(model)
+    return chunks
