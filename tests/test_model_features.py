@@ -6,6 +6,7 @@ import torch
 from megatron_domino.config import ModelConfig
 from megatron_domino.data.loader import pad_offsets
 from megatron_domino.models import LanguageModel, initialize_weights
+from megatron_domino.models.recompute import apply_recompute
 from megatron_domino.parallel import launch
 from megatron_domino.parallel.random import RNGTracker
 from megatron_domino.tensor_parallel import LayerContext
@@ -45,23 +46,30 @@ def test_rng_state_round_trip_replays_both_streams():
 
 
 def _grads_with_recompute(mode):
+    """Loss, gradients and the bytes autograd kept for backward outside recomputed regions."""
     cfg = ModelConfig(**{**CFG.__dict__, "attention_dropout": 0.2, "hidden_dropout": 0.2, "recompute": mode})
     rng = RNGTracker.seeded(11)  # attention dropout draws from its TP stream, which recompute must replay too
     model = LanguageModel(cfg, LayerContext(rng=rng))
     initialize_weights(model, seed=3)
+    apply_recompute(model, mode, rng)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(0))
-    loss = model(None, {"tokens": tokens, "labels": tokens.roll(-1, 1)}).mean()
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        loss = model(None, {"tokens": tokens, "labels": tokens.roll(-1, 1)}).mean()
     loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, sum(kept)
 
 
 def test_recompute_gives_identical_gradients_with_dropout_on():
-    loss, grads = _grads_with_recompute("none")
+    loss, grads, kept = _grads_with_recompute("none")
+    kept_by_mode = {}
     for mode in ("full", "selective"):
-        other_loss, other = _grads_with_recompute(mode)
+        other_loss, other, kept_by_mode[mode] = _grads_with_recompute(mode)
         assert torch.equal(loss, other_loss), mode
         for name, grad in grads.items():
             assert torch.equal(grad, other[name]), (mode, name)
+    assert kept_by_mode["full"] < kept_by_mode["selective"] < kept, (kept_by_mode, kept)  # recompute really ran
     assert not torch.equal(loss, _loss_without_dropout())  # dropout really was on
 
 

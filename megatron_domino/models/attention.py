@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, LayerContext
 from .document_attention import document_attention
 from .ring_attention import Ring, ring_attention
-from .recompute import recompute
+from .recompute import run
 from .rope import apply_rotary
 from .tokens import NO_CONTEXT, TokenContext
 
@@ -44,7 +44,8 @@ class Attention(nn.Module):
         super().__init__()
         heads, groups, head_dim = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
         self.queries_per_group, self.local_groups, self.head_dim = heads // groups, groups // ctx.size, head_dim
-        self.dropout_p, self.selective = cfg.attention_dropout, cfg.recompute == "selective"
+        self.dropout_p = cfg.attention_dropout
+        self.run_core = run  # how the attention core runs (``recompute.apply_recompute`` may recompute it)
         self.backend, self.ctx = cfg.attention_backend, ctx
         self.ring = Ring(ctx.cp_group, ctx.cp_rank, ctx.cp_size) if ctx.cp_size > 1 else None
         output_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
@@ -66,10 +67,7 @@ class Attention(nn.Module):
         if self.queries_per_group > 1 and self.backend == "efficient":
             k = k.repeat_interleave(self.queries_per_group, dim=1)
             v = v.repeat_interleave(self.queries_per_group, dim=1)
-        if self.selective:
-            out = recompute(self._core, q, k, v, doc_offsets, rng=self.ctx.rng)
-        else:
-            out = self._core(q, k, v, doc_offsets)
+        out = self.run_core(self._core, q, k, v, doc_offsets)
         return out.transpose(1, 2).reshape(b, s, -1)
 
     def project(self, hidden):

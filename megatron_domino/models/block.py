@@ -18,7 +18,7 @@ from .attention import Attention
 from .mlp import MLP
 from .moe import MoE
 from .norms import Norm
-from .recompute import recompute
+from .recompute import run
 from .tokens import NO_CONTEXT, TokenContext
 
 
@@ -26,7 +26,8 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg, ctx: LayerContext, *, layer_number: int):
         super().__init__()
         self.layer_number, self.ctx = layer_number, ctx
-        self.hidden_dropout, self.full_recompute = cfg.hidden_dropout, cfg.recompute == "full"
+        self.hidden_dropout = cfg.hidden_dropout
+        self.run_phase = run  # how a phase's hidden part runs (``recompute.apply_recompute`` may recompute it)
         self.input_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, ctx)
         self.attention = Attention(cfg, ctx)
         self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, ctx)
@@ -40,10 +41,9 @@ class TransformerBlock(nn.Module):
         return x
 
     def phase_hidden(self, phase: str, x: torch.Tensor, context: TokenContext) -> torch.Tensor:
-        """norm, then the mixer's ``hidden``: recomputed in backward under full recompute."""
+        """norm, then the mixer's ``hidden``, through ``run_phase``."""
         norm, mixer = self.phases[phase]
-        hidden = lambda x, context: mixer.hidden(norm(x), context)  # noqa: E731
-        return recompute(hidden, x, context, rng=self.ctx.rng) if self.full_recompute else hidden(x, context)
+        return self.run_phase(lambda x, context: mixer.hidden(norm(x), context), x, context)
 
     def projection(self, phase: str):
         """The mixer of ``phase``: its ``project`` / ``launch`` is the phase's row-parallel projection."""

@@ -1,4 +1,5 @@
-"""Activation recompute that replays dropout exactly, including the tensor-parallel RNG stream.
+"""Activation recompute that replays dropout exactly, including the tensor-parallel RNG stream, applied to a
+model from outside (``apply_recompute``): the layers only name where recompute may cut (their runners).
 
 torch's checkpoint restores the global CPU/CUDA generators; the tracker's named streams are
 restored here as well, so recomputed dropout masks equal the original ones.
@@ -6,6 +7,7 @@ restored here as well, so recomputed dropout masks equal the original ones.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from torch.utils.checkpoint import checkpoint
 
@@ -34,3 +36,18 @@ def recompute(function, *args, rng: RNGTracker | None = None):
         return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True)
     return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
                       context_fn=lambda: _tracker_contexts(rng))
+
+
+def run(function, *args):
+    """The plain runner: compute now, keep what autograd keeps."""
+    return function(*args)
+
+
+def apply_recompute(chunk, mode: str, rng: RNGTracker | None = None) -> None:
+    """``model.recompute`` on a model chunk: "full" recomputes each block phase up to its row-parallel
+    projection in backward (``TransformerBlock.run_phase``: no communication is repeated, so Domino's
+    overlap is untouched), "selective" only the attention core (``Attention.run_core``), "none" nothing."""
+    runner = functools.partial(recompute, rng=rng)
+    for block in chunk.layers:
+        block.run_phase = runner if mode == "full" else run
+        block.attention.run_core = runner if mode == "selective" else run

@@ -7,13 +7,14 @@ from ..domino.plan import DominoPlan
 from ..tensor_parallel import LayerContext
 from .init import initialize_weights
 from .language_model import LanguageModel
+from .recompute import apply_recompute
 
 
 def build_chunks(cfg, state, places, *, dtype=torch.float32, device=None, init_seed: int | None = None,
                  rng=None) -> list[LanguageModel]:
     """One ``LanguageModel`` per place (its layers, embedding, head), on ``state``'s groups; only the parameters
-    are allocated, initialised from ``init_seed`` when given. ``rng``: the run's ``RNGTracker``, which every
-    chunk's dropout draws from."""
+    are allocated, initialised from ``init_seed`` when given; ``model.recompute`` is applied to them.
+    ``rng``: the run's ``RNGTracker``, which every chunk's dropout (and its recompute) draws from."""
     par = cfg.parallel
     ctx = LayerContext(state.tp_group, par.sequence_parallel, dtype=dtype, device=device, cp_group=state.cp_group,
                        ep_group=state.expert_group, experts_split=state.topology.expert_tp == state.tp_size, rng=rng)
@@ -24,5 +25,6 @@ def build_chunks(cfg, state, places, *, dtype=torch.float32, device=None, init_s
                               has_head=place.has_head, plan=plan)
         if init_seed is not None:
             initialize_weights(model, init_seed, state.tp_rank, state.tp_size)
+        apply_recompute(model, cfg.model.recompute, rng)
         chunks.append(model)
     return chunks
