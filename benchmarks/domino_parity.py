@@ -50,9 +50,10 @@ def run_mode(cfg, plan, batch, device, dtype):
     """(loss, {name: gradient}) of one forward and backward."""
     import torch
     import torch.distributed as dist
-    from megatron_domino.models import LanguageModel, initialize_weights
+    from megatron_domino.models import initialize_weights
+    from megatron_domino.models.stage_chunks import build_model
     from megatron_domino.tensor_parallel import LayerContext
-    model = LanguageModel(cfg, LayerContext(dist.group.WORLD, dtype=dtype, device=device), plan=plan)
+    model = build_model(cfg, LayerContext(dist.group.WORLD, dtype=dtype, device=device), plan)
     initialize_weights(model, seed=1, tp_rank=dist.get_rank(), tp=dist.get_world_size())
     loss = model(None, batch).float().mean()
     loss.backward()

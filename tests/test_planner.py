@@ -23,6 +23,7 @@ from megatron_domino.models import LanguageModel
 from megatron_domino.parallel import comm
 from megatron_domino.tensor_parallel import LayerContext
 from megatron_domino.parallel.random import RNGTracker
+from megatron_domino.models.stage_chunks import build_model
 from megatron_domino.pipeline.program import virtual_stage
 from megatron_domino.pipeline.schedules import build_schedule
 from megatron_domino.pipeline.simulate import Costs, simulate
@@ -51,8 +52,8 @@ def _batch(cfg):
 def _build(cfg, group=None, **kwargs):
     dtype = torch.bfloat16 if cfg.train.bf16 else torch.float32
     rng = RNGTracker.seeded(0)
-    model = LanguageModel(cfg.model, LayerContext(group, cfg.parallel.sequence_parallel, dtype=dtype, rng=rng),
-                          **kwargs)
+    model = build_model(cfg.model, LayerContext(group, cfg.parallel.sequence_parallel, dtype=dtype, rng=rng),
+                        **kwargs)
     for param in model.parameters():
         param.data.normal_(0.0, 0.02)
     return model.train()

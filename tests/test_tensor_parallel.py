@@ -12,6 +12,7 @@ from megatron_domino.config import ModelConfig
 from megatron_domino.tensor_parallel.async_comm import LinearWithAsyncInputGradient, PendingInputGradient, \
     WaitForInputGradient
 from megatron_domino.domino.plan import COMPARED_PLANS
+from megatron_domino.models.stage_chunks import build_model
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.optim.grad_norm import model_grad_norm
 from megatron_domino.parallel import comm
@@ -192,7 +193,7 @@ def check_domino_stack(rank, tp, group):
             reference = _train_steps(dense, batches)
             for (name, plan), sequence_parallel in [(p, False) for p in PLANS.items()] + [
                     (p, True) for p in PLANS.items() if p[0] in ("sync", "row-inter", "2d")]:
-                model = LanguageModel(cfg, LayerContext(group, sequence_parallel), plan=plan)
+                model = build_model(cfg, LayerContext(group, sequence_parallel), plan)
                 initialize_weights(model, seed=7, tp_rank=rank, tp=tp)
                 params = model.sharding()
                 for step, ((loss, grads, values), (ref_loss, ref_grads, ref_values)) in enumerate(

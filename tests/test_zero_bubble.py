@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_domino.config.schema import OptimizerConfig
-from megatron_domino.models import LanguageModel, initialize_weights
+from megatron_domino.models import initialize_weights
 from megatron_domino.pipeline.strict_transport import StrictP2P
 from tests.harness import run_ranks
 from tests.parity import assert_covered, assert_same_run, reference_steps, train_steps
@@ -81,12 +81,13 @@ def _b_then_w_events(rank, world_size):
     import torch.distributed as dist
     from megatron_domino.domino.plan import COMPARED_PLANS
     from megatron_domino.pipeline.split_backward import backward_input, backward_weight, run_backward
+    from megatron_domino.models.stage_chunks import build_model
     from megatron_domino.tensor_parallel import LayerContext
     from megatron_domino.tensor_parallel.async_comm import PendingInputGradient
 
     group = dist.new_group([0, 1])
-    model = LanguageModel(GPT, LayerContext(group), layer_ids=[0, 1], has_embedding=False, has_head=False,
-                          plan=COMPARED_PLANS["row-inter"])
+    model = build_model(GPT, LayerContext(group), COMPARED_PLANS["row-inter"], layer_ids=[0, 1], has_embedding=False,
+                        has_head=False)
     initialize_weights(model, seed=3, tp_rank=rank, tp=world_size)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4, GPT.seq_length, GPT.hidden_size, generator=g)

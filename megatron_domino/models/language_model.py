@@ -8,16 +8,12 @@ final norm, output head and loss only where ``has_head``, and exactly the blocks
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..tensor_parallel.async_comm import launch_reduce
-from ..domino.executor import run_order
-from ..domino.order import forward_order
-from ..domino.plan import DominoPlan
 from ..parallel import comm
 from ..tensor_parallel import (ParamInfo, ShardSpec, LayerContext, VocabParallelEmbedding, column_parallel_linear, declare,
                                make_param, sharding_table, vocab_parallel_cross_entropy)
@@ -33,12 +29,12 @@ WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 class LanguageModel(nn.Module):
     def __init__(self, cfg, ctx: LayerContext | None = None, *, layer_ids: list[int] | None = None,
-                 has_embedding: bool = True, has_head: bool = True, plan: DominoPlan | None = None):
-        """``ctx``: where the TP layers run (default: one rank, fp32, CPU); the Domino ``plan`` sets how they
-        reduce input gradients."""
+                 has_embedding: bool = True, has_head: bool = True):
+        """``ctx``: where the TP layers run (default: one rank, fp32, CPU). Execution strategies are applied
+        from outside (``models.stage_chunks.build_model``: Domino's forward order, recompute)."""
         super().__init__()
-        self.cfg, self.plan = cfg, plan or DominoPlan()
-        self.ctx = replace(ctx or LayerContext(), grad_pieces=self.plan.grad_pieces)
+        self.cfg, self.ctx = cfg, ctx or LayerContext()
+        self.forward_strategy = None  # another way to run forward over the same pieces (``domino.model_forward``)
         self.domino_step = None  # the Domino step running now, for traces (see domino.order.Step)
         self.has_embedding, self.has_head = has_embedding, has_head
         self.layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
@@ -106,53 +102,32 @@ class LanguageModel(nn.Module):
 
         ``return_logits`` makes the last stage return full-vocabulary logits [b, s, vocab] instead.
         """
-        if self.plan.enabled and self.ctx.size > 1:  # with one TP rank there is nothing to overlap
-            return self._forward_domino(input_tensor, batch, return_logits)
+        if self.forward_strategy is not None:
+            return self.forward_strategy(self, input_tensor, batch, return_logits)
         hidden = input_tensor
         if self.has_embedding:
             hidden = self._embedding_tail(self.embedding.word_embeddings(batch["tokens"]), batch, slice(None))
-        context = self._context(batch, hidden.shape[0])
+        context = self.token_context(batch, hidden.shape[0])
         for block in self.layers:
             hidden = block(hidden, context)
-        return self._head(hidden, batch, slice(None), return_logits) if self.has_head else hidden
+        return self.head(hidden, batch, slice(None), return_logits) if self.has_head else hidden
 
-    def _forward_domino(self, input_tensor: torch.Tensor | None, batch: dict, return_logits: bool) -> torch.Tensor:
-        """The same computation per mu-chunk in Domino's order (``domino.order``): the embedding and the head
-        included, so their all-reduces overlap the other chunks' compute as the blocks' do."""
-        batch_size = batch["tokens"].shape[0] if self.has_embedding else input_tensor.shape[0]
-        rows, columns = self.plan.split_for(batch_size)
-        base, extra = divmod(batch_size, rows)  # tensor_split's sizes, computed on the host
-        starts = [i * base + min(i, extra) for i in range(rows + 1)]
-        slices = [slice(begin, end) for begin, end in zip(starts, starts[1:])]
-        context = self._context(batch, batch_size)
-        contexts = [context.rows(rows_) for rows_ in slices]
-        order = forward_order(len(self.layers), rows, self.plan.overlap, self.has_embedding, self.has_head)
-        outputs = run_order(order, self.layers, [] if self.has_embedding else [input_tensor[r] for r in slices],
-                            contexts, column_pieces=columns,
-                            embed=lambda c: self._embed_async(batch, slices[c]),
-                            head=lambda x, c: self._head(x, batch, slices[c], return_logits),
-                            on_step=self._set_domino_step)
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
-
-    def _set_domino_step(self, step) -> None:
-        """Keep ``domino_step``: the Domino step running now (None between forwards), for traces."""
-        self.domino_step = step
-
-    def _context(self, batch: dict, batch_size: int) -> TokenContext:
+    def token_context(self, batch: dict, batch_size: int) -> TokenContext:
         """The tokens' context for every block: rotary tables, document offsets, the step's auxiliary loss
         weight (``batch["aux_loss_weight"]``, set by the pipeline engine; 1 elsewhere)."""
         rotary = (rotary_tables(self._position_ids(batch, batch_size), self.inv_freq)
                   if self.cfg.position_embedding == "rope" else None)
         return TokenContext(rotary, batch.get("doc_offsets"), batch.get("aux_loss_weight", 1.0))
 
-    def _head(self, hidden: torch.Tensor, batch: dict, rows: slice, return_logits: bool) -> torch.Tensor:
+    def head(self, hidden: torch.Tensor, batch: dict, rows: slice, return_logits: bool) -> torch.Tensor:
+        """Final norm, output layer and the loss (or the logits) of the samples ``rows``."""
         hidden = self.final_norm(hidden)
         logits = column_parallel_linear(hidden, self.output_weight(), None, self.ctx)
         if return_logits:
             return comm.gather_from_tp(logits, self.ctx.group)[..., :self.cfg.vocab_size].float()
         return vocab_parallel_cross_entropy(logits, batch["labels"][rows], self.cfg.vocab_size, self.ctx.group)
 
-    def _embed_async(self, batch: dict, rows: slice):
+    def embed_async(self, batch: dict, rows: slice):
         """This chunk's embeddings with the all-reduce left in flight (``finish`` waits and applies the rest)."""
         partial = self.embedding.word_embeddings.partial(batch["tokens"][rows])
         return _PendingEmbedding(launch_reduce([partial], self.ctx.group),

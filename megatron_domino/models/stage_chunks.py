@@ -1,8 +1,11 @@
 """This rank's model chunks, built from their places in the pipeline (``pipeline.stages.chunk_places``)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from ..domino.model_forward import apply_domino
 from ..domino.plan import DominoPlan
 from ..tensor_parallel import LayerContext
 from .init import initialize_weights
@@ -21,10 +24,20 @@ def build_chunks(cfg, state, places, *, dtype=torch.float32, device=None, init_s
     plan = DominoPlan.from_config(par)
     chunks = []
     for place in places:
-        model = LanguageModel(cfg.model, ctx, layer_ids=place.layer_ids, has_embedding=place.has_embedding,
-                              has_head=place.has_head, plan=plan)
+        model = build_model(cfg.model, ctx, plan, layer_ids=place.layer_ids, has_embedding=place.has_embedding,
+                            has_head=place.has_head)
         if init_seed is not None:
             initialize_weights(model, init_seed, state.tp_rank, state.tp_size)
-        apply_recompute(model, cfg.model.recompute, rng)
         chunks.append(model)
     return chunks
+
+
+def build_model(model_cfg, ctx: LayerContext | None = None, plan: DominoPlan = DominoPlan(), **place) -> LanguageModel:
+    """A ``LanguageModel`` (``place``: layer_ids, has_embedding, has_head) with the run's execution strategies
+    applied from outside: Domino's (its input-gradient pieces in the layers' context, its forward order) and
+    ``model.recompute`` (drawing on ``ctx.rng``)."""
+    ctx = replace(ctx or LayerContext(), grad_pieces=plan.grad_pieces)
+    model = LanguageModel(model_cfg, ctx, **place)
+    apply_recompute(model, model_cfg.recompute, ctx.rng)
+    apply_domino(model, plan)
+    return model
