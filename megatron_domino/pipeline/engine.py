@@ -74,8 +74,9 @@ class PipelineEngine:
         """Run the schedule over this rank's micro-batches (in host memory, or already on the device); returns the global-batch mean loss on every rank (a 0-dim device tensor)."""
         for chunk in self.chunks:
             chunk.train()
-            chunk.reset_routing_stats()
         if self.moe_sample_weight is not None:  # the step's weight of the auxiliary losses, in each micro-batch
+            for chunk in self.chunks:
+                chunk.reset_routing_stats()
             microbatches = [dict(batch, aux_loss_weight=loss_scale * self.moe_sample_weight) for batch in microbatches]
         return self._run(self.program, microbatches, loss_scale)
 

@@ -129,11 +129,16 @@ def candidate_layouts(cfg: Config, world_size: int, only: dict[str, Iterable] | 
     return found
 
 
-def _pipeline_fits(cfg: Config, pp: int, v: int, num_microbatches: int | None = None) -> bool:
+def _pipeline_fits(cfg: Config, pp: int, v: int) -> bool:
     """The pipeline's own rules (``check_partition``, ``check_schedule``), as validate_config applies them."""
-    c, par = Checks(), cfg.parallel
-    check_partition(c, cfg.model.num_layers, pp, v, par.pipeline_partition, par.pipeline_layout)
-    check_schedule(c, pp, v, num_microbatches, par.pipeline_schedule)
+    c = Checks()
+    check_partition(c, cfg.model.num_layers, pp, v, cfg.parallel.pipeline_partition, cfg.parallel.pipeline_layout)
+    return not c.problems and _schedule_fits(cfg, pp, v)
+
+
+def _schedule_fits(cfg: Config, pp: int, v: int, num_microbatches: int | None = None) -> bool:
+    c = Checks()
+    check_schedule(c, pp, v, num_microbatches, cfg.parallel.pipeline_schedule)
     return not c.problems
 
 
@@ -141,7 +146,7 @@ def _variants(cfg: Config, tp: int, cp: int, pp: int, dp: int, v: int, allowed) 
     """The micro batch, TP communication, recompute and ZeRO choices of one (tp, cp, pp, dp, virtual pp)."""
     batch, seq = cfg.train.global_batch_size, cfg.model.seq_length
     micro = [b for b in MICRO_BATCHES if batch % (b * dp) == 0 and allowed("micro_batch", b)
-             and _pipeline_fits(cfg, pp, v, batch // (b * dp))]
+             and _schedule_fits(cfg, pp, v, batch // (b * dp))]
     modes = [(sp, domino) for sp, domino in _tp_modes(tp, cfg.parallel.domino) if (not sp or seq % (tp * cp) == 0)
              and allowed("sequence_parallel", sp) and allowed("domino", domino)]
     # One replica: the ZeRO stage is moot. Several micro-batches: ZeRO-2 keeps whole gradients all step and

@@ -19,6 +19,10 @@ class StepCadence:
         train = self.cfg.train
         return step >= train.steps or (train.tokens is not None and step * self.tokens_per_step >= train.tokens)
 
+    def logs(self, step: int) -> bool:
+        """Every ``log.interval`` steps, and the last."""
+        return step % self.cfg.log.interval == 0 or step == self.cfg.train.steps
+
     def evaluates(self, step: int) -> bool:
         interval = self.cfg.train.eval_interval
         return bool(interval) and step % interval == 0

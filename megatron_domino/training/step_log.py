@@ -16,20 +16,17 @@ class StepLog:
 
     def __init__(self, cfg, trainer):
         self.cfg, self.trainer = cfg, trainer
-        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_length
+        self.tokens_per_step = trainer.cadence.tokens_per_step
         self.flops_per_step = flops_per_token(cfg.model, cfg.model.seq_length) * self.tokens_per_step
         self.peak = device_peak_tflops(trainer.device, cfg.log.peak_tflops)
         self.start = self.window_start = time.perf_counter()
         self.first_step, self.window_steps = trainer.step, 0
 
-    def logs(self, step: int) -> bool:
-        return step % self.cfg.log.interval == 0 or step == self.cfg.train.steps
-
     def after_step(self, result: dict) -> None:
         """Count the step; at the end of a window, write its record."""
         trainer = self.trainer
         self.window_steps += 1
-        if not self.logs(trainer.step):
+        if not trainer.cadence.logs(trainer.step):
             return
         if trainer.device.type == "cuda":
             cuda.synchronize(trainer.device)
