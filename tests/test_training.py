@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -140,6 +141,14 @@ def _resume_one_step(tmp_path, root) -> int:
     return latest["step"]
 
 
+def _wait_for_a_save_in_flight(root: str, timeout: float = 60.0) -> None:
+    """Return as soon as a save's temporary folder exists under ``root``."""
+    deadline = time.monotonic() + timeout
+    while not any(name.startswith(".tmp-step_") for name in os.listdir(root)):
+        assert time.monotonic() < deadline, f"no save in flight under {root} within {timeout:g}s"
+        time.sleep(0.005)
+
+
 def test_killed_rank_while_saving_leaves_latest_whole(tmp_path):
     """kill -9 of one rank while background saves are in flight (one starts every step): the run fails, a save
     was cut short (its temporary folder is left, never published), and ``latest`` names a whole checkpoint."""
@@ -149,7 +158,8 @@ def test_killed_rank_while_saving_leaves_latest_whole(tmp_path):
                                  "checkpoint.async_save=true", *LAYOUT_4], str(tmp_path / "log.txt"))
     try:
         wait_for_step(run, 4, proc)
-        os.kill(worker_pids(proc.pid)[3], signal.SIGKILL)  # saving dominates each step at this size
+        _wait_for_a_save_in_flight(root)  # saving dominates each step at this size: the kill lands inside one
+        os.kill(worker_pids(proc.pid)[3], signal.SIGKILL)
         status = proc.wait(timeout=120)
     finally:
         kill_group(proc)
