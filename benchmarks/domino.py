@@ -85,7 +85,7 @@ def timed_step(trainer, mode: str) -> tuple[float, float]:
 def traced_step(trainer, mode: str, path: str) -> list[dict]:
     import torch.distributed as dist
     from spans import SpanRecorder, gather_trace, pipeline_ops, tagged_backward
-    recorder = SpanRecorder(dist.get_rank(), trainer.chunks)
+    recorder = SpanRecorder(dist.get_rank())
     with pipeline_ops(trainer, lambda inst, start, end: recorder.phase(inst.label(True), start, end)), \
             tagged_backward(trainer.chunks):
         dist.barrier()

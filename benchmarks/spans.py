@@ -31,6 +31,7 @@ WRAPPED = ("all_reduce", "batch_isend_irecv")
 _COMMUNICATING_NODES = ("LinearWithAsyncInputGradientBackward", "CopyToTensorParallelBackward")
 _TAG = "benchmark_issued_at"
 _PACKAGE = os.sep + "megatron_domino" + os.sep
+_EXECUTOR = os.path.join("domino", "executor.py")
 _PLUMBING = ("parallel" + os.sep + "comm.py", "tensor_parallel" + os.sep + "async_comm.py")
 
 
@@ -38,22 +39,22 @@ def now() -> float:
     return time.perf_counter()  # CLOCK_MONOTONIC: one clock for every process on the machine
 
 
-def where_issued(op: str, models=()) -> str:
-    """'all_reduce fwd launch layer 3 mlp chunk 1' (the Domino step running in one of ``models``),
-    'all_reduce bwd layers.3.mlp.fc1 #1', 'batch_isend_irecv p2p._launch' (the package function that called)."""
+def where_issued(op: str) -> str:
+    """'all_reduce fwd launch layer 3 mlp chunk 1' (the Domino step that ``domino.executor.run_order`` is
+    running), 'all_reduce bwd layers.3.mlp.fc1 #1', 'batch_isend_irecv p2p._launch' (the package function that
+    called). The library keeps no trace hook: the running step is read from the executor's frame."""
     node = torch._C._current_autograd_node()
     if node is not None:
         return f"{op} bwd {node.metadata.get(_TAG, node.name())}"
-    step = next((m.domino_step for m in models if getattr(m, "domino_step", None) is not None), None)
-    if step is not None:
-        return f"{op} fwd {step.trace_name()}"
-    frame = sys._getframe(2)
+    frame, caller = sys._getframe(2), None
     while frame is not None:
         code = frame.f_code
-        if _PACKAGE in code.co_filename and not code.co_filename.endswith(_PLUMBING):
-            return f"{op} {os.path.basename(code.co_filename)[:-3]}.{code.co_name}"
+        if code.co_filename.endswith(_EXECUTOR) and code.co_name == "run_order" and "step" in frame.f_locals:
+            return f"{op} fwd {frame.f_locals['step'].trace_name()}"
+        if caller is None and _PACKAGE in code.co_filename and not code.co_filename.endswith(_PLUMBING):
+            caller = f"{op} {os.path.basename(code.co_filename)[:-3]}.{code.co_name}"
         frame = frame.f_back
-    return f"{op} outside the package"
+    return caller or f"{op} outside the package"
 
 
 class _TimedWork:
@@ -89,9 +90,8 @@ class _TimedWork:
 
 
 class SpanRecorder:
-    def __init__(self, rank: int, models=()):
-        """``models``: the rank's model chunks, whose running Domino step names forward communication."""
-        self.rank, self.models = rank, models
+    def __init__(self, rank: int):
+        self.rank = rank
         self.main: list[tuple[str, float, float]] = []  # blocked spans of the main thread
         self.phases: list[tuple[str, float, float]] = []
         self.works: list[_TimedWork] = []
@@ -106,7 +106,7 @@ class SpanRecorder:
 
     def _wrap(self, op: str, function):
         def call(*args, **kwargs):
-            label = where_issued(op, self.models)
+            label = where_issued(op)
             tensor = args[0] if args else kwargs.get("tensor")
             nbytes = tensor.numel() * tensor.element_size() if torch.is_tensor(tensor) else 0
             start = now()

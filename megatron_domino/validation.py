@@ -9,7 +9,8 @@ rank grid (``parallel.topology.check_topology``, also run by ``Topology``), Domi
 (``domino.plan.check_domino``, also run by ``DominoPlan``), the pipeline split and schedule
 (``pipeline.partition.check_partition`` and ``pipeline.schedules.check_schedule``, also run when a
 partition or a schedule is built, and by the planner's search), the config's own sections
-(``config/rules.py``), MoE (``config/validate_moe.py``). This module only gathers them.
+(``config/rules.py``), what TP splits (``models.attention``, ``models.mlp``), MoE (``config/validate_moe.py``).
+This module only gathers them.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from .config.loader import config_from_dict, config_to_dict
 from .config.schema import Config
 from .config.validate_moe import check_moe
 from .domino.plan import check_domino
+from .models.attention import check_attention_split
+from .models.mlp import check_mlp_split
 from .parallel.topology import check_topology
 from .pipeline.partition import check_partition
 from .pipeline.schedules import check_schedule
@@ -39,6 +42,9 @@ def validate_config(cfg: Config, world_size: int | None = None, check_paths: boo
     dp = check_topology(c, world_size, p.tp, p.pp, p.dp, p.virtual_pp, p.order, p.cp, p.ep, p.expert_tp)
     check_domino(c, p.domino, p.domino_chunks, p.domino_split, p.domino_overlap, cfg.train.micro_batch_size)
     rules.check_parallel(c, cfg)
+    if isinstance(p.tp, int) and p.tp >= 1:  # else check_topology named it
+        check_attention_split(c, cfg.model, p.tp)
+        check_mlp_split(c, cfg.model, p.tp)
     micro_batches = rules.check_train(c, cfg, dp)
     if p.pp >= 1 and p.virtual_pp >= 1:  # else check_topology named them
         if cfg.model.num_layers >= 1:

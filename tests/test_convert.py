@@ -1,5 +1,5 @@
 """tools/convert_checkpoint.py: HF <-> native round trips (GPT-2, Llama, Mixtral), logits against transformers,
-reshard, the upgrade of a version-1 checkpoint, config parsing.
+reshard, the upgrade of a version-1 checkpoint (the HF config's spellings: test_convert_config.py).
 
 Tiny random HF models are built from configs and saved locally (one file, and sharded with an index);
 nothing is downloaded. References are transformers itself and the HF files as saved by transformers.
@@ -29,6 +29,7 @@ from megatron_domino.models.init import initialize_weights
 from megatron_domino.parallel.random import RNGTracker
 from megatron_domino.parallel.store_barrier import StoreBarriers
 from megatron_domino.training.checkpoint import Checkpointer
+from tests.test_convert_config import LLAMA3_ROPE
 
 transformers = pytest.importorskip("transformers")
 _CLI = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "convert_checkpoint.py")
@@ -36,8 +37,6 @@ _spec = importlib.util.spec_from_file_location("convert_checkpoint_cli", _CLI)
 cli = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cli)
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
 
 
 def _gpt2():
@@ -197,25 +196,6 @@ def test_gpt2_files_without_transformer_prefix(hf_models, tmp_path):
     hf_to_native(hf_dir, str(tmp_path / "b"), quiet=True)
     a, b = _native_tensors(str(tmp_path / "a")), _native_tensors(str(tmp_path / "b"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in b)
-
-
-def test_rope_scaling_and_rope_parameters_spellings_agree():
-    base = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-            "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 128,
-            "vocab_size": 300, "rms_norm_eps": 1e-5}
-    v4 = {**base, "rope_theta": 500000.0, "rope_scaling": dict(LLAMA3_ROPE)}
-    v5 = {**base, "rope_parameters": {"rope_theta": 500000.0, **LLAMA3_ROPE}}
-    assert model_config_from_hf(v4) == model_config_from_hf(v5)
-    cfg = model_config_from_hf(v5)
-    assert (cfg.rope_base, cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
-            cfg.rope_original_max_position) == (500000.0, 8.0, 1.0, 4.0, 16)
-    assert (cfg.query_groups, cfg.ffn_size, cfg.tie_embeddings, cfg.bias, cfg.seq_length) == (2, 96, False, False, 16)
-    llama2 = model_config_from_hf({**base, "rope_theta": 10000.0, "rope_scaling": None})
-    assert llama2.rope_scaling_factor is None and llama2.rope_base == 10000.0 and llama2.seq_length == 128
-    with pytest.raises(ValueError, match="rope_scaling.rope_type = 'yarn'"):
-        model_config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
-    odd_head = model_config_from_hf({**base, "head_dim": 16})
-    assert odd_head.kv_channels == 16 and odd_head.head_dim == 16
 
 
 def test_reshard_retargets_the_layout_and_copies_the_tensors(hf_models, tmp_path):

@@ -1,4 +1,4 @@
-"""The parallelism planner against measurements of real CPU runs, the pipeline simulator and published layouts.
+"""The parallelism planner against measurements of real CPU runs and the pipeline simulator (its search: test_planner_search.py).
 
 Memory references are independent of the planner: the bytes autograd actually saves (saved-tensor hooks),
 the parameter / gradient / Adam-state tensors of a real model and optimizer, and the process's peak of
@@ -7,7 +7,6 @@ allocated bytes (glibc's malloc counters, sampled after every torch op) during a
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 from dataclasses import replace
 
@@ -17,7 +16,6 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_domino.config import load_config
-from megatron_domino.validation import validate_config
 from megatron_domino.domino.plan import DominoPlan
 from megatron_domino.models import LanguageModel
 from megatron_domino.parallel import comm
@@ -31,7 +29,6 @@ from megatron_domino.pipeline.stages import layer_partition
 from megatron_domino.planner.hardware import get_gpu
 from megatron_domino.planner.activations import chunk_activation_bytes
 from megatron_domino.planner.memory import estimate_memory, in_flight, rank_parameters
-from megatron_domino.planner.search import Layout, evaluate, rank_layouts
 from megatron_domino.planner.timing import estimate_step_time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -257,59 +254,3 @@ def test_dp_reduction_volume_link_and_overlap():
     assert estimate_step_time(sharded, dp, gpu, 8).dp_exposed == pytest.approx(15 / 16 * 6 * params / 50e9, rel=1e-9)
     overlapped = replace(cfg, optimizer=replace(cfg.optimizer, overlap_grad_reduce=True))
     assert estimate_step_time(overlapped, dp, gpu, 8).dp_exposed < plain.dp_exposed
-
-
-# ----- the search and the published layouts ----------------------------------------------------------
-def test_every_ranked_layout_is_valid_and_ranking_puts_fitting_fast_ones_first():
-    cfg = _tiny(GPT)
-    ranked = rank_layouts(cfg, CPU, nodes=1, gpus_per_node=8)
-    assert {(e.layout.tp, e.layout.pp) for e in ranked} >= {(1, 1), (2, 2), (4, 2), (2, 4)}
-    assert {e.layout.cp for e in ranked} == {1, 2, 4, 8}
-    for est in ranked:  # the search validates one layout per (tp, cp, pp); recompute is not among the rules
-        if est.layout.recompute == "none":
-            validate_config(est.layout.apply(cfg), world_size=8, check_paths=False)
-    for est in ranked[:3]:  # what --emit prints goes through the loader too
-        assert load_config(GPT, est.layout.overrides()) == est.layout.apply(cfg)
-    fitting = [e for e in ranked if e.fits]
-    assert ranked[:len(fitting)] == fitting
-    times = [float(f"{e.time.total:.3g}") for e in fitting]
-    assert times == sorted(times)
-
-
-def test_an_invalid_layout_is_never_suggested():
-    cfg = _tiny(GPT)  # 4 heads: tp 8 cannot divide them; 4 layers: pp 8 cannot hold them
-    layouts = {(e.layout.tp, e.layout.pp) for e in rank_layouts(cfg, CPU, nodes=2, gpus_per_node=8)}
-    assert all(tp <= 4 and pp <= 4 for tp, pp in layouts)
-
-
-def _fits(cfg, gpu, world, **only):
-    ranked = rank_layouts(cfg, gpu, nodes=world // 8, gpus_per_node=8, only={k: [v] for k, v in only.items()})
-    assert ranked, f"no valid layout with {only}"
-    return any(e.fits for e in ranked)
-
-
-def test_published_layouts_are_feasible_and_impossible_ones_are_not():
-    h100 = get_gpu("h100-80gb")
-    gpt175 = load_config(os.path.join(ROOT, "configs/gpt/175b.yaml"))
-    llama70 = load_config(os.path.join(ROOT, "configs/llama/llama2-70b.yaml"))
-    # Megatron-LM's GPT-3 175B recipe (examples/gpt3/train_gpt3_175b_distributed.sh): TP 8, PP 16, micro batch 1
-    assert evaluate(gpt175, Layout(8, 16, 1, 1, 1, "none", 1, False, True), h100, 8).fits
-    assert _fits(llama70, h100, 64, tp=8, pp=2)
-    assert _fits(llama70, h100, 64, tp=4, pp=4)  # NeMo's Llama-2 70B recipe (launcher conf llama2_70b.yaml)
-    assert not _fits(llama70, h100, 64, tp=1, pp=1)  # 140 GB of bf16 weights alone
-    assert not _fits(gpt175, h100, 128, tp=8, pp=1)
-
-
-def test_plan_cli_prints_a_table_and_emits_a_loadable_layout(capsys):
-    spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(ROOT, "tools/plan.py"))
-    plan = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plan)
-    assert plan.main(["--model", "tiny-gpt", "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "4", "--top", "3"]) == 0
-    table = capsys.readouterr().out
-    rows = [line for line in table.splitlines() if line[:4].strip().isdigit() and " | " in line]
-    assert "valid layouts" in table and len(rows) == 3
-    assert plan.main(["--model", "tiny-gpt", "--gpu", "cpu", "--gpus-per-node", "4", "--tp", "2", "--emit"]) == 0
-    overrides = capsys.readouterr().out.split()
-    assert "parallel.tp=2" in overrides
-    validate_config(load_config(GPT, overrides), world_size=4, check_paths=False)
-    assert plan.main(["--model", "no-such-model"]) == 2

@@ -51,3 +51,9 @@ class Checks:
     def divides(self, key: str, value: int, divisor: int, divisor_name: str, fix: str) -> None:
         if value % divisor:
             self.fail(key, value, f"must be divisible by {divisor_name} = {divisor}", fix)
+
+    def split_by_tp(self, key: str, value: int | None, tp: int) -> None:
+        """A size that TP cuts into equal parts (unset or non-positive: another rule names it)."""
+        if value is not None and value >= 1:
+            fits = [str(t) for t in (1, 2, 4, 8, 16, 32, 64) if value % t == 0]
+            self.divides(key, value, tp, "parallel.tp", f"use a parallel.tp that divides {value} (e.g. {', '.join(fits)})")

@@ -1,4 +1,4 @@
-"""The rules of the config's own sections (model, the TP splits, train, optimizer, data, files, operations).
+"""The rules of the config's own sections (model, train, optimizer, data, files, operations).
 
 The rules of the parts that live elsewhere sit next to them (the rank grid in ``parallel/topology.py``, the
 pipeline split and schedule in ``pipeline/``, Domino in ``domino/plan.py``); ``megatron_domino.validation``
@@ -109,8 +109,9 @@ def _check_timeouts(c: Checks, p) -> None:
 
 
 def check_parallel(c: Checks, cfg: Config) -> None:
-    """What the layout asks of the model: TP splits heads, query groups and the FFN; sequence parallelism
-    splits the sequence; the ring's limits; the watchdog's timeouts; the backend."""
+    """What the layout asks of the model: sequence parallelism splits the sequence; the ring's limits; the
+    watchdog's timeouts; the backend. (What TP splits, the layers that split it check: ``models.attention``
+    and ``models.mlp``.)"""
     p, m = cfg.parallel, cfg.model
     _check_timeouts(c, p)
     c.one_of("parallel.backend", p.backend, BACKENDS)
@@ -120,18 +121,15 @@ def check_parallel(c: Checks, cfg: Config) -> None:
         return  # the rank grid's rules (check_topology) name them
     if p.cp > 1:
         check_context_parallel(c, cfg)
-    split_by_tp = (("model.num_attention_heads", m.num_attention_heads),
-                   ("model.num_query_groups", m.num_query_groups or 0),  # unset: checked as the heads
-                   ("model.ffn_hidden_size", m.ffn_size), ("model.hidden_size", m.hidden_size))
-    for key, value in split_by_tp:
-        if value >= 1:
-            fits = [str(t) for t in (1, 2, 4, 8, 16, 32, 64) if value % t == 0]
-            c.divides(key, value, p.tp, "parallel.tp",
-                      f"use a parallel.tp that divides {value} (e.g. {', '.join(fits)})")
     if p.sequence_parallel and m.seq_length >= 1:
-        c.divides("model.seq_length", m.seq_length, p.tp * p.cp,
-                  "parallel.tp * parallel.cp (sequence parallel shards each rank's part of the sequence over tp)",
-                  "make the sequence length a multiple of tp * cp or turn parallel.sequence_parallel off")
+        check_sequence_split(c, m.seq_length, p.tp, p.cp)
+
+
+def check_sequence_split(c: Checks, seq_length: int, tp: int, cp: int) -> None:
+    """Sequence parallelism shards each CP rank's s / cp tokens over tp (the planner's search calls this too)."""
+    c.divides("model.seq_length", seq_length, tp * cp,
+              "parallel.tp * parallel.cp (sequence parallel shards each rank's part of the sequence over tp)",
+              "make the sequence length a multiple of tp * cp or turn parallel.sequence_parallel off")
 
 
 def check_train(c: Checks, cfg: Config, dp: int | None) -> int | None:
@@ -151,13 +149,20 @@ def check_train(c: Checks, cfg: Config, dp: int | None) -> int | None:
                "keep one: train.bf16=true (preferred) or train.fp16=true")
     if not batch_ok:
         return None
-    per_step, micro_batches = t.micro_batch_size * (dp or 1), t.num_microbatches(dp or 1)
-    if t.global_batch_size % per_step:
-        c.fail("train.global_batch_size", t.global_batch_size,
-               f"must be a multiple of micro_batch_size * dp = {t.micro_batch_size} * {dp or 1} = {per_step}",
-               f"use a multiple of {per_step}, e.g. {per_step * max(1, micro_batches)}")
-        return None
+    micro_batches = check_batch(c, t.global_batch_size, t.micro_batch_size, dp or 1)
     return micro_batches if dp is not None else None
+
+
+def check_batch(c: Checks, global_batch: int, micro_batch: int, dp: int) -> int | None:
+    """Each step is whole micro batches on every DP rank; returns their number per rank (None: it is not whole).
+    The planner's search calls this for each micro batch it tries."""
+    per_step = micro_batch * dp
+    if global_batch % per_step:
+        c.fail("train.global_batch_size", global_batch,
+               f"must be a multiple of micro_batch_size * dp = {micro_batch} * {dp} = {per_step}",
+               f"use a multiple of {per_step}, e.g. {per_step * max(1, global_batch // per_step)}")
+        return None
+    return global_batch // per_step
 
 
 def check_optimizer(c: Checks, cfg: Config) -> None:

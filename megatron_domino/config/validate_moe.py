@@ -45,7 +45,7 @@ def check_moe(c, cfg: Config) -> None:
                "the expert batches), a host sync that sync_debug makes an error",
                "set log.sync_debug=false for MoE runs")
     _check_layer_freq(c, m)
-    _check_ep(c, m, p)
+    check_expert_split(c, m.num_experts, p.ep, p.tp, p.expert_tp)
 
 
 def _check_layer_freq(c, m) -> None:
@@ -61,12 +61,12 @@ def _check_layer_freq(c, m) -> None:
                "use 1 to make every layer MoE")
 
 
-def _check_ep(c, m, p) -> None:
+def check_expert_split(c, num_experts: int, ep: int, tp: int, expert_tp: int | None) -> None:
     """Megatron's rules: each ep rank holds num_experts / ep; whole experts (expert TP 1) are shared out over
-    tp x ep ranks."""
-    if m.num_experts % p.ep:
-        c.fail("parallel.ep", p.ep, f"must divide model.num_experts = {m.num_experts}",
+    tp x ep ranks. The planner's search calls this for each ep it tries."""
+    if num_experts % ep:
+        c.fail("parallel.ep", ep, f"must divide model.num_experts = {num_experts}",
                "choose an ep that divides the number of experts")
-    elif p.expert_tp == 1 and m.num_experts % (p.tp * p.ep):
-        c.fail("parallel.expert_tp", 1, f"whole experts are shared out over tp x ep = {p.tp * p.ep} ranks, which must "
-               f"divide model.num_experts = {m.num_experts}", "lower tp or ep, or leave parallel.expert_tp unset")
+    elif expert_tp == 1 and num_experts % (tp * ep):
+        c.fail("parallel.expert_tp", 1, f"whole experts are shared out over tp x ep = {tp * ep} ranks, which must "
+               f"divide model.num_experts = {num_experts}", "lower tp or ep, or leave parallel.expert_tp unset")

@@ -87,20 +87,17 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 def run_order(order: list[Step], blocks, inputs: list, contexts: list, *, column_pieces: int = 1,
-              embed: Callable | None = None, head: Callable | None = None,
-              on_step: Callable[[Step | None], None] | None = None) -> list[torch.Tensor]:
+              embed: Callable | None = None, head: Callable | None = None) -> list[torch.Tensor]:
     """Execute ``order``; returns each chunk's final state.
 
     ``inputs[c]``: chunk c's hidden state (unused where the order launches the embedding); ``contexts[c]``:
     its tokens' context (``models.tokens.TokenContext``), handed to every block; ``embed(c)`` launches chunk c's embedding (something with ``finish()``);
-    ``head(x, c)`` is the output head; ``on_step`` hears each step as it starts (traces), then None.
+    ``head(x, c)`` is the output head. Each step runs in a profiler range named by ``Step.trace_name``.
     """
     chunks = len(contexts)
     state = list(inputs) + [None] * (chunks - len(inputs))
     marks: list[int | None] = []
     for step in order:
-        if on_step is not None:
-            on_step(step)
         with record_function(f"domino {step.trace_name()}"):  # a named range per step in profiles
             c = step.chunk
             if step.op == "wait":
@@ -115,6 +112,4 @@ def run_order(order: list[Step], blocks, inputs: list, contexts: list, *, column
                 result = launch_phase(blocks[step.layer], step.phase, state[c], contexts[c], column_pieces)
             defer_waits(_gradient_waits(result, marks[-1]), marks[max(0, len(marks) - chunks)])
             state[c] = result
-    if on_step is not None:
-        on_step(None)
     return state

@@ -1,8 +1,8 @@
 """Domino applied to a model from outside: its forward runs per mu-chunk in Domino's order.
 
-``apply_domino`` gives a model chunk (``models.LanguageModel``, or any model with the same pieces:
-``layers``, ``has_embedding``/``has_head``, ``token_context``, ``embed_async`` and ``head``) a forward
-strategy that cuts the micro batch as the plan says and runs ``order.forward_order`` over the blocks, the
+``apply_domino`` replaces a model chunk's forward (``models.LanguageModel``, or any model with the same
+pieces: ``layers``, ``has_embedding``/``has_head``, ``token_context``, ``embed_async`` and ``head``), as
+``torch.compile`` or FSDP's ``fully_shard`` do, with one that cuts the micro batch as the plan says and runs ``order.forward_order`` over the blocks, the
 embedding and the head included, so their all-reduces overlap the other chunks' compute as the blocks' do.
 The model code itself stays single-device in shape; the gradient pieces of the column split are the
 ``LayerContext``'s (``grad_pieces``), set when the model is built.
@@ -25,13 +25,12 @@ def apply_domino(model, plan: DominoPlan) -> None:
     if model.ctx.grad_pieces != plan.grad_pieces:
         raise ValueError(f"the model's LayerContext has grad_pieces = {model.ctx.grad_pieces}, but the Domino plan "
                          f"needs {plan.grad_pieces}. Fix: build it with models.stage_chunks.build_model(..., plan)")
-    model.forward_strategy = functools.partial(domino_forward, plan=plan)
+    model.forward = functools.partial(domino_forward, model, plan=plan)  # the instance's, not the class's
 
 
-def domino_forward(model, input_tensor: torch.Tensor | None, batch: dict, return_logits: bool, *,
+def domino_forward(model, input_tensor: torch.Tensor | None, batch: dict, return_logits: bool = False, *,
                    plan: DominoPlan) -> torch.Tensor:
-    """The model's computation per mu-chunk in Domino's order; ``model.domino_step`` names the step running
-    (None between forwards), for traces."""
+    """The model's computation per mu-chunk in Domino's order (the arguments and result of its forward)."""
     batch_size = batch["tokens"].shape[0] if model.has_embedding else input_tensor.shape[0]
     rows, columns = plan.split_for(batch_size)
     base, extra = divmod(batch_size, rows)  # tensor_split's sizes, computed on the host
@@ -42,6 +41,5 @@ def domino_forward(model, input_tensor: torch.Tensor | None, batch: dict, return
     outputs = run_order(order, model.layers, [] if model.has_embedding else [input_tensor[r] for r in slices],
                         [context.rows(r) for r in slices], column_pieces=columns,
                         embed=lambda c: model.embed_async(batch, slices[c]),
-                        head=lambda x, c: model.head(x, batch, slices[c], return_logits),
-                        on_step=lambda step: setattr(model, "domino_step", step))
+                        head=lambda x, c: model.head(x, batch, slices[c], return_logits))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

@@ -39,6 +39,14 @@ def sdpa_backend(name: str):
     return contextlib.nullcontext() if name == "auto" else sdpa_kernel(SDPA_BACKENDS[name])
 
 
+def check_attention_split(c, cfg, tp: int) -> None:
+    """TP gives each rank whole KV groups and their query heads, and a slice of the hidden size; ``c`` is a
+    ``config.checks.Checks``, ``cfg`` the model section."""
+    c.split_by_tp("model.num_attention_heads", cfg.num_attention_heads, tp)
+    c.split_by_tp("model.num_query_groups", cfg.num_query_groups, tp)  # unset: checked as the heads
+    c.split_by_tp("model.hidden_size", cfg.hidden_size, tp)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg, ctx: LayerContext):
         super().__init__()

@@ -34,8 +34,6 @@ class LanguageModel(nn.Module):
         from outside (``models.stage_chunks.build_model``: Domino's forward order, recompute)."""
         super().__init__()
         self.cfg, self.ctx = cfg, ctx or LayerContext()
-        self.forward_strategy = None  # another way to run forward over the same pieces (``domino.model_forward``)
-        self.domino_step = None  # the Domino step running now, for traces (see domino.order.Step)
         self.has_embedding, self.has_head = has_embedding, has_head
         self.layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
         self.padded_vocab = cfg.padded_vocab_size(self.ctx.size)
@@ -102,8 +100,6 @@ class LanguageModel(nn.Module):
 
         ``return_logits`` makes the last stage return full-vocabulary logits [b, s, vocab] instead.
         """
-        if self.forward_strategy is not None:
-            return self.forward_strategy(self, input_tensor, batch, return_logits)
         hidden = input_tensor
         if self.has_embedding:
             hidden = self._embedding_tail(self.embedding.word_embeddings(batch["tokens"]), batch, slice(None))

@@ -10,6 +10,11 @@ from ..config.schema import ACTIVATIONS
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, LayerContext
 
 
+def check_mlp_split(c, cfg, tp: int) -> None:
+    """TP gives each rank ffn / tp of the width (both SwiGLU halves alike); ``c`` is a ``config.checks.Checks``."""
+    c.split_by_tp("model.ffn_hidden_size", cfg.ffn_size, tp)
+
+
 class MLP(nn.Module):
     """``ffn``: the width (default the model's); mixture-of-experts layers build their experts from it."""
 

@@ -17,6 +17,8 @@ from typing import Iterable
 
 from ..config.checks import Checks
 from ..config.errors import ConfigError
+from ..config.rules import check_batch, check_sequence_split
+from ..config.validate_moe import check_expert_split
 from ..config.schema import RECOMPUTE, ZERO_STAGES, Config
 from ..pipeline.partition import check_partition
 from ..pipeline.schedules import check_schedule
@@ -107,9 +109,9 @@ def candidate_layouts(cfg: Config, world_size: int, only: dict[str, Iterable] | 
 
     ``validate_config`` costs milliseconds, too much for each of thousands of layouts, so it runs once per
     (tp, cp, pp), on the first variant; the rules that tell the variants apart are applied per variant: the
-    pipeline's own (``check_partition`` and ``check_schedule``, the functions validate_config calls), micro
-    batches per step that divide evenly, sequence parallelism splitting each rank's s/cp tokens over tp; and
-    ``first_valid`` validates in full whatever is shown or emitted."""
+    pipeline's own (``check_partition`` and ``check_schedule``), the batch's (``check_batch``), sequence
+    parallelism's (``check_sequence_split``) and the experts' (``check_expert_split``), each the function
+    validate_config calls; and ``first_valid`` validates in full whatever is shown or emitted."""
     only = {key: set(values) for key, values in (only or {}).items()}
     unknown = set(only) - set(Layout.__dataclass_fields__)
     if unknown:
@@ -129,35 +131,43 @@ def candidate_layouts(cfg: Config, world_size: int, only: dict[str, Iterable] | 
     return found
 
 
-def _pipeline_fits(cfg: Config, pp: int, v: int) -> bool:
+def _pipeline_fits(cfg: Config, pp: int, v: int, num_microbatches: int | None = None) -> bool:
     """The pipeline's own rules (``check_partition``, ``check_schedule``), as validate_config applies them."""
-    c = Checks()
-    check_partition(c, cfg.model.num_layers, pp, v, cfg.parallel.pipeline_partition, cfg.parallel.pipeline_layout)
-    return not c.problems and _schedule_fits(cfg, pp, v)
-
-
-def _schedule_fits(cfg: Config, pp: int, v: int, num_microbatches: int | None = None) -> bool:
-    c = Checks()
-    check_schedule(c, pp, v, num_microbatches, cfg.parallel.pipeline_schedule)
-    return not c.problems
+    p = cfg.parallel
+    return (_passes(check_partition, cfg.model.num_layers, pp, v, p.pipeline_partition, p.pipeline_layout)
+            and _passes(check_schedule, pp, v, num_microbatches, p.pipeline_schedule))
 
 
 def _variants(cfg: Config, tp: int, cp: int, pp: int, dp: int, v: int, allowed) -> list[Layout]:
-    """The micro batch, TP communication, recompute and ZeRO choices of one (tp, cp, pp, dp, virtual pp)."""
+    """The micro batch, TP communication, recompute and ZeRO choices of one (tp, cp, pp, dp, virtual pp),
+    filtered by the rules that tell them apart (each the function ``validate_config`` calls)."""
     batch, seq = cfg.train.global_batch_size, cfg.model.seq_length
-    micro = [b for b in MICRO_BATCHES if batch % (b * dp) == 0 and allowed("micro_batch", b)
-             and _schedule_fits(cfg, pp, v, batch // (b * dp))]
-    modes = [(sp, domino) for sp, domino in _tp_modes(tp, cfg.parallel.domino) if (not sp or seq % (tp * cp) == 0)
+    micro = [b for b in MICRO_BATCHES if allowed("micro_batch", b) and _batch_fits(cfg, pp, v, batch, b, dp)]
+    modes = [(sp, domino) for sp, domino in _tp_modes(tp, cfg.parallel.domino)
+             if (not sp or _passes(check_sequence_split, seq, tp, cp))
              and allowed("sequence_parallel", sp) and allowed("domino", domino)]
     # One replica: the ZeRO stage is moot. Several micro-batches: ZeRO-2 keeps whole gradients all step and
     # would repeat ZeRO-1's row, so it is not estimated (``_without_equal_zero_stages`` drops other repeats).
     stages = [z for z in (ZERO_STAGES if dp * cp > 1 else (cfg.optimizer.zero_stage,)) if allowed("zero_stage", z)]
-    experts = cfg.model.num_experts or 1  # a dense model: ep 1 only
-    sharing_tp = tp if cfg.parallel.expert_tp == 1 else 1  # whole experts are shared out over tp x ep ranks
-    eps = [ep for ep in divisors(dp) if experts % (ep * sharing_tp) == 0 and allowed("ep", ep)]
+    eps = [ep for ep in divisors(dp) if allowed("ep", ep) and (
+        ep == 1 if not cfg.model.num_experts
+        else _passes(check_expert_split, cfg.model.num_experts, ep, tp, cfg.parallel.expert_tp))]
     return [Layout(tp, pp, dp, v, b, recompute, zero, sp, domino, cp, ep)
             for b, (sp, domino), recompute, zero, ep in product(micro, modes, RECOMPUTE, stages, eps)
             if allowed("recompute", recompute) and not (zero == 2 and 1 in stages and batch // (b * dp) > 1)]
+
+
+def _passes(rule, *args) -> bool:
+    """Whether ``rule`` (one of the rule functions validate_config gathers) finds no problem in ``args``."""
+    c = Checks()
+    rule(c, *args)
+    return not c.problems
+
+
+def _batch_fits(cfg: Config, pp: int, v: int, batch: int, micro: int, dp: int) -> bool:
+    """Whole micro batches per DP rank, as many as the schedule needs."""
+    micro_batches = check_batch(Checks(), batch, micro, dp)
+    return micro_batches is not None and _passes(check_schedule, pp, v, micro_batches, cfg.parallel.pipeline_schedule)
 
 
 def first_valid(cfg: Config, estimates: Iterable[Estimate], count: int) -> list[Estimate]:

@@ -1,0 +1,121 @@
+"""The planner's search: every layout it suggests passes the validator, and it misses none that does.
+
+The search filters its variants with the rule functions that ``validate_config`` gathers; the exhaustive
+comparison below fails if one of its filters drifts from the validator (refusing a valid layout, or keeping
+an invalid one).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from itertools import product
+
+import pytest
+
+from megatron_domino.config import load_config
+from megatron_domino.config.errors import ConfigError
+from megatron_domino.config.schema import ZERO_STAGES
+from megatron_domino.planner.hardware import get_gpu
+from megatron_domino.planner.search import MICRO_BATCHES, Layout, candidate_layouts, divisors, evaluate, rank_layouts
+from megatron_domino.validation import validate_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPT, MIXTRAL = os.path.join(ROOT, "configs/tiny/gpt.yaml"), os.path.join(ROOT, "configs/tiny/mixtral.yaml")
+CPU = get_gpu("cpu")
+
+
+def _tiny(path, *overrides):
+    return load_config(path, list(overrides))
+
+
+def _validator_accepts(cfg, layout: Layout) -> bool:
+    try:
+        validate_config(layout.apply(cfg), world_size=layout.world_size, check_paths=False)
+    except ConfigError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("path, world, overrides", [
+    # 2 experts shared out whole over tp x ep ranks: tp 2 x ep 2 and ep 4 are refused
+    (MIXTRAL, 4, ["parallel.domino=true", "train.global_batch_size=8", "parallel.expert_tp=1", "model.num_experts=2"]),
+    # 12 tokens: the ring's 2 * cp chunks fit cp 2, sequence parallelism's tp * cp does not at tp 4
+    (GPT, 8, ["parallel.domino=true", "train.global_batch_size=24", "model.seq_length=12"]),
+])
+def test_the_search_keeps_exactly_the_layouts_the_validator_accepts(path, world, overrides):
+    """Every (tp, cp, pp, dp, v, micro batch, TP mode, ZeRO, ep) of ``world`` ranks: the search's candidates are
+    the ones validate_config accepts, less the ZeRO-2 rows it skips on purpose (they repeat ZeRO-1's)."""
+    cfg = _tiny(path, *overrides)
+    found = set(candidate_layouts(cfg, world, only={"recompute": ["none"]}))
+    expected = set()
+    for tp, cp, pp in product(divisors(world), repeat=3):
+        if world % (tp * cp * pp):
+            continue
+        dp = world // (tp * cp * pp)
+        domino = cfg.parallel.domino
+        modes = {(False, domino)} | ({(True, False), (True, domino)} if tp > 1 else set())
+        for v, b, (sp, domino), zero, ep in product(range(1, 5), MICRO_BATCHES, modes, ZERO_STAGES, divisors(dp)):
+            if dp * cp == 1 and zero != cfg.optimizer.zero_stage:
+                continue  # one replica: the ZeRO stage is moot
+            if zero == 2 and dp * cp > 1 and cfg.train.global_batch_size // (b * dp) > 1:
+                continue  # the search's own choice: ZeRO-2 repeats ZeRO-1 under accumulation
+            layout = Layout(tp, pp, dp, v, b, "none", zero, sp, domino, cp, ep)
+            if _validator_accepts(cfg, layout):
+                expected.add(layout)
+    assert found == expected, (sorted(found - expected, key=str)[:3], sorted(expected - found, key=str)[:3])
+
+
+# ----- the search and the published layouts ----------------------------------------------------------
+def test_every_ranked_layout_is_valid_and_ranking_puts_fitting_fast_ones_first():
+    cfg = _tiny(GPT)
+    ranked = rank_layouts(cfg, CPU, nodes=1, gpus_per_node=8)
+    assert {(e.layout.tp, e.layout.pp) for e in ranked} >= {(1, 1), (2, 2), (4, 2), (2, 4)}
+    assert {e.layout.cp for e in ranked} == {1, 2, 4, 8}
+    for est in ranked:  # the search validates one layout per (tp, cp, pp); recompute is not among the rules
+        if est.layout.recompute == "none":
+            validate_config(est.layout.apply(cfg), world_size=8, check_paths=False)
+    for est in ranked[:3]:  # what --emit prints goes through the loader too
+        assert load_config(GPT, est.layout.overrides()) == est.layout.apply(cfg)
+    fitting = [e for e in ranked if e.fits]
+    assert ranked[:len(fitting)] == fitting
+    times = [float(f"{e.time.total:.3g}") for e in fitting]
+    assert times == sorted(times)
+
+
+def test_an_invalid_layout_is_never_suggested():
+    cfg = _tiny(GPT)  # 4 heads: tp 8 cannot divide them; 4 layers: pp 8 cannot hold them
+    layouts = {(e.layout.tp, e.layout.pp) for e in rank_layouts(cfg, CPU, nodes=2, gpus_per_node=8)}
+    assert all(tp <= 4 and pp <= 4 for tp, pp in layouts)
+
+
+def _fits(cfg, gpu, world, **only):
+    ranked = rank_layouts(cfg, gpu, nodes=world // 8, gpus_per_node=8, only={k: [v] for k, v in only.items()})
+    assert ranked, f"no valid layout with {only}"
+    return any(e.fits for e in ranked)
+
+
+def test_published_layouts_are_feasible_and_impossible_ones_are_not():
+    h100 = get_gpu("h100-80gb")
+    gpt175 = load_config(os.path.join(ROOT, "configs/gpt/175b.yaml"))
+    llama70 = load_config(os.path.join(ROOT, "configs/llama/llama2-70b.yaml"))
+    # Megatron-LM's GPT-3 175B recipe (examples/gpt3/train_gpt3_175b_distributed.sh): TP 8, PP 16, micro batch 1
+    assert evaluate(gpt175, Layout(8, 16, 1, 1, 1, "none", 1, False, True), h100, 8).fits
+    assert _fits(llama70, h100, 64, tp=8, pp=2)
+    assert _fits(llama70, h100, 64, tp=4, pp=4)  # NeMo's Llama-2 70B recipe (launcher conf llama2_70b.yaml)
+    assert not _fits(llama70, h100, 64, tp=1, pp=1)  # 140 GB of bf16 weights alone
+    assert not _fits(gpt175, h100, 128, tp=8, pp=1)
+
+
+def test_plan_cli_prints_a_table_and_emits_a_loadable_layout(capsys):
+    spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(ROOT, "tools/plan.py"))
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    assert plan.main(["--model", "tiny-gpt", "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "4", "--top", "3"]) == 0
+    table = capsys.readouterr().out
+    rows = [line for line in table.splitlines() if line[:4].strip().isdigit() and " | " in line]
+    assert "valid layouts" in table and len(rows) == 3
+    assert plan.main(["--model", "tiny-gpt", "--gpu", "cpu", "--gpus-per-node", "4", "--tp", "2", "--emit"]) == 0
+    overrides = capsys.readouterr().out.split()
+    assert "parallel.tp=2" in overrides
+    validate_config(load_config(GPT, overrides), world_size=4, check_paths=False)
+    assert plan.main(["--model", "no-such-model"]) == 2
