@@ -1,15 +1,18 @@
 """Memory per rank by category, measured, beside the planner's estimate for the same config.
 
-    python benchmarks/memory.py          # ZeRO 0/1/2 at dp = 4, then recompute none/full/selective at dp = 1
+    python benchmarks/memory.py          # ZeRO 0/1/2 at dp = 2, 4, 8, then recompute none/full/selective at dp = 1
 
 Every configuration is its own job (4 ranks under torchrun, or one bare process), so each peak RSS
 belongs to one configuration. Per rank, after a few training steps:
   params       bytes of this rank's weights
-  grads        gradient buffers and shards (optimizer.memory_report), the larger of their size at the end
-               of backward (ZeRO-2 holds every bucket then) and after the step
+  grads        gradient buffers and shards held all step (optimizer.memory_report's grad_bytes after a step)
+  +buckets     the gradient high-water mark above that (grad_peak_bytes): ZeRO-2's full buckets while they
+               are written and reduced, at most 1 + IN_FLIGHT of optimizer.bucket_size_mb each
   optimizer    Adam's moments, plus the fp32 masters when weights are 16-bit (fp32 weights are their own)
   activations  the peak of what autograd saved for backward, per storage (views count once, weights not),
                seen through torch.autograd.graph.saved_tensors_hooks
+  B/param      model state (weights + gradients + optimizer) per weight, measured, beside the formula for bf16
+               weights, fp32 gradients and AdamW: 18 (ZeRO-0), 6 + 12/d (ZeRO-1), 2 + 16/d (ZeRO-2)
   peak RSS     the process's peak resident set, and its growth over the RSS before the Trainer was built
                (which adds transients, allocator slack and gloo buffers to the categories)
 The planner's columns are megatron_domino.planner.memory.estimate_stages for the same config on its "cpu"
@@ -26,15 +29,18 @@ from common import (MODEL_FLAGS, add_model_args, run_harness,
                     launch, load_benchmark_config, model_overrides, read_json, write_json)
 
 MIB = 2**20
-ZERO_RUNS = [(stage, "none", 4) for stage in (0, 1, 2)]  # (zero stage, recompute, ranks = dp)
+ZERO_RUNS = [(stage, "none", dp) for dp in (2, 4, 8) for stage in (0, 1, 2)]  # (zero stage, recompute, ranks = dp)
 RECOMPUTE_RUNS = [(0, mode, 1) for mode in ("none", "full", "selective")]
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser, hidden=512, heads=8, layers=4, seq=256, micro_batch=4, bf16=True)
-    parser.add_argument("--microbatches", type=int, default=2, help="micro-batches per step per DP rank")
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step per DP rank")
     parser.add_argument("--steps", type=int, default=2, help="training steps before reading the sizes")
+    parser.add_argument("--bucket-mb", type=float, default=1.0,
+                        help="optimizer.bucket_size_mb: a model of GBs has buckets of tens of MB; this one of ~50 MB "
+                             "gets 1 MB, the same ratio")
     parser.add_argument("--json", default=os.path.join(RESULTS, "memory.json"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--zero", type=int, default=0, help=argparse.SUPPRESS)
@@ -101,26 +107,20 @@ def worker(args) -> None:
     baseline = rss_bytes()
     overrides = model_overrides(args, f"memory/zero{args.zero}-{args.recompute}") + [
         "parallel.tp=1", "parallel.pp=1", "parallel.domino=false", f"optimizer.zero_stage={args.zero}",
-        f"model.recompute={args.recompute}", f"train.global_batch_size={args.micro_batch * world * args.microbatches}"]
+        f"model.recompute={args.recompute}", f"optimizer.bucket_size_mb={args.bucket_mb}",
+        f"train.global_batch_size={args.micro_batch * world * args.microbatches}"]
     cfg = load_benchmark_config(overrides)
     trainer = build_trainer(cfg)
     params = [p for chunk in trainer.chunks for p in chunk.parameters()]
     saved = SavedActivations(params)
-    optimizer, grad_peak = trainer.optimizer, [0]
-    finish = optimizer.finish_grad_sync
-
-    def sampled_finish():
-        grad_peak[0] = max(grad_peak[0], optimizer.memory_report()["grad_bytes"])
-        finish()
-
-    optimizer.finish_grad_sync = sampled_finish
+    optimizer = trainer.optimizer
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         for _ in range(args.steps):
             trainer.train_step()
     report = optimizer.memory_report()
     weights_are_masters = trainer.dtype == torch.float32
     mine = {"rank": dist.get_rank(), "params_bytes": sum(p.numel() * p.element_size() for p in params),
-            "grads_bytes": max(grad_peak[0], report["grad_bytes"]),
+            "grads_bytes": report["grad_bytes"], "grads_peak_bytes": report["grad_peak_bytes"],
             "optimizer_bytes": report["optimizer_state_bytes"] + (0 if weights_are_masters else report["master_bytes"]),
             "activations_bytes": saved.peak,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -136,29 +136,38 @@ def worker(args) -> None:
                                "args": vars(args), "ranks": everyone, "planner": planner})
 
 
+def formula_bytes_per_param(zero: int, dp: int) -> float:
+    """bf16 weights, fp32 gradients, fp32 masters and Adam's two moments (optim/distributed_optimizer.py)."""
+    return {0: 18.0, 1: 6 + 12 / dp, 2: 2 + 16 / dp}[zero if dp > 1 else 0]
+
+
 def report(runs: list[dict]) -> str:
     a = runs[0]["args"]
     mib = lambda value: f"{value / MIB:.1f}"  # noqa: E731
     rows = []
     for run in runs:
         p = run["planner"]
-        for r in run["ranks"]:
+        for r in run["ranks"][:1] if a["bf16"] else run["ranks"]:
+            state = r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"]
+            per_param = state / (r["params_bytes"] / 2) if a["bf16"] else float("nan")
             rows.append([f"zero {run['zero_stage']} dp {run['dp']} recompute {run['recompute']}", r["rank"],
-                         mib(r["params_bytes"]), mib(r["grads_bytes"]), mib(r["optimizer_bytes"]),
+                         mib(r["params_bytes"]), mib(r["grads_bytes"]),
+                         mib(r["grads_peak_bytes"] - r["grads_bytes"]), mib(r["optimizer_bytes"]),
+                         f"{per_param:.2f} / {formula_bytes_per_param(run['zero_stage'], run['dp']):.2f}",
                          mib(r["activations_bytes"]), mib(r["peak_rss_bytes"]),
                          mib(r["peak_rss_bytes"] - r["baseline_rss_bytes"]),
                          mib(p["params_bytes"]), mib(p["grads_bytes"]), mib(p["optimizer_bytes"]),
                          mib(p["activations_bytes"]), mib(p["total_bytes"])])
-    headers = ["config", "rank", "params", "grads", "optim", "act", "peak RSS", "RSS growth",
+    headers = ["config", "rank", "params", "grads", "+buckets", "optim", "B/param / formula", "act", "peak RSS", "RSS growth",
                "| plan params", "grads", "optim", "act", "total"]
     return "\n".join([f"Memory per rank in MiB: GPT hidden {a['hidden']}, layers {a['layers']}, seq {a['seq']}, "
-                      f"micro batch {a['micro_batch']} x {a['microbatches']} per step, "
+                      f"micro batch {a['micro_batch']} x {a['microbatches']} per step, buckets of {a['bucket_mb']} MB, "
                       f"{'bf16 weights, fp32 grads and masters' if a['bf16'] else 'fp32'}, AdamW; "
                       f"planner total = its categories + transient peaks", format_table(headers, rows)])
 
 
 def drive(args) -> None:
-    shared = forward_flags(args, MODEL_FLAGS + ("microbatches", "steps"))
+    shared = forward_flags(args, MODEL_FLAGS + ("microbatches", "steps", "bucket_mb"))
     runs = []
     for zero, recompute, ranks in ZERO_RUNS + RECOMPUTE_RUNS:
         out = os.path.join(RESULTS, f"memory_zero{zero}_{recompute}_dp{ranks}.json")

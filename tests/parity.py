@@ -77,7 +77,7 @@ def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, ch
     for micro in steps_of_microbatches(ps):
         if engine is None:
             engine = PipelineEngine(chunks, ps, cfg, device=torch.device("cpu"), dtype=torch.float32,
-                                    num_microbatches=len(micro), on_backward=optimizer.set_last_microbatch)
+                                    num_microbatches=len(micro), on_backward=optimizer.begin_backward)
             if check_engine is not None:
                 check_engine(engine)
         optimizer.zero_grad()

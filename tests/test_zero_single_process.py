@@ -7,8 +7,8 @@ from megatron_domino.config.errors import ConfigError
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.optim.distributed_optimizer import DistributedOptimizer
 from megatron_domino.optim.grad_buffer import ALIGN, plan_buckets
-from tests.test_zero import (CFG, LR, SEED, TOKENS, assert_rel, batches, loss_of, new_model, optimizer_config,
-                             reference_optimizer)
+from tests.zero_setup import (CFG, LR, SEED, TOKENS, assert_rel, batches, loss_of, new_model, optimizer_config,
+                               reference_optimizer)
 
 
 def test_bucket_layout_is_aligned_and_embeddings_sit_alone():
@@ -33,7 +33,7 @@ def test_second_gradient_after_bucket_ready_is_an_error():
     dopt = DistributedOptimizer([model], optimizer_config(zero_stage=0), dp_group=None, tp_rank=0, norm_groups=[])
     tokens, labels = batches(1)[0]
     dopt.zero_grad()
-    dopt.set_last_microbatch(True)
+    dopt.begin_backward(True)
     loss_of(model, tokens[:1], labels[:1]).backward()
     with pytest.raises(RuntimeError, match="second gradient"):
         loss_of(model, tokens[:1], labels[:1]).backward()

@@ -1,15 +1,14 @@
 """The data-parallel optimizer: gradient buffers, ZeRO-0/1/2, mixed precision, clipping, one step.
 
 Per parameter, bf16 weights with fp32 Adam cost 2 (weight) + 4 (fp32 gradient) + 12 (fp32 master,
-exp_avg, exp_avg_sq) = 18 bytes. ZeRO-1 shards the 12 over the d DP ranks (6 + 12/d); ZeRO-2 also
-keeps only a 1/d shard of the gradient between steps. ZeRO-0 keeps everything and all-reduces.
-The reduce-scatter writes into a separate shard-sized tensor (never in place, which not every
-backend allows), so ZeRO-1 holds 4/d more gradient bytes than the minimum.
+exp_avg, exp_avg_sq) = 18 bytes. ZeRO-1 shards the 12 over the d DP ranks (6 + 12/d, Megatron's
+distributed optimizer); ZeRO-2 also keeps only a 1/d shard of the gradient (2 + 16/d), reducing every
+micro-batch (``optim/grad_buffer.py``). ZeRO-0 keeps everything and all-reduces.
 
 One step, on every rank:
-  backward   hooks move each gradient into its bucket; on the last micro-batch a full bucket starts
-             its DP reduction at once (all-reduce, or reduce-scatter when sharded), overlapping the
-             rest of backward;
+  backward   ``begin_backward`` before each pass; hooks move each gradient into its bucket; on the last
+             micro-batch (ZeRO-2: on every one) a full bucket starts its DP reduction at once
+             (all-reduce, or reduce-scatter when sharded), overlapping the rest of backward;
   finish     wait for every bucket (the trainer may then all-reduce ``reduced_grad(p)`` over the
              embedding or TP group, in place);
   step       unscale (fp16) and look for inf/nan on every rank; skip everywhere together if found;
@@ -141,8 +140,12 @@ class DistributedOptimizer:
             for param in buffer.params:
                 param.grad = None
 
-    def set_last_microbatch(self, is_last: bool) -> None:
+    def begin_backward(self, is_last: bool) -> None:
+        """Called before every backward pass (B, I or W): ``is_last``, whether it belongs to the step's last
+        micro-batch, when ZeRO-0/1 reduce."""
         self._last_microbatch = bool(is_last)
+        for buffer in self.buffers:
+            buffer.begin_pass()
 
     def _on_grad(self, param: torch.Tensor) -> None:
         self._buffer_of[id(param)].accumulate(param, self._last_microbatch, self.opt.overlap_grad_reduce)
@@ -158,7 +161,7 @@ class DistributedOptimizer:
         ZeRO-0; possibly empty under ZeRO-1/2). Ranks with the same parameters get matching regions, so
         it can be all-reduced in place over the TP or embedding group between finish_grad_sync and step."""
         fragment = self._fragment_of.get(id(param))
-        return fragment.grad if fragment is not None else self._buffer_of[id(param)].reduced_data[:0]
+        return fragment.grad if fragment is not None else self._buffer_of[id(param)].buckets[0].reduced[:0]
 
     # ----- the update ------------------------------------------------------------------------------
     def step(self, lr: float, accept=None) -> tuple[bool, torch.Tensor | None]:
@@ -169,7 +172,7 @@ class DistributedOptimizer:
         given, sees the global norm and this rank's share of it before anything changes; False drops
         the update (the trainer's bad-step guard; it must answer alike on every rank).
         """
-        reduced = [buffer.reduced_data for buffer in self.buffers]
+        reduced = [piece for buffer in self.buffers for piece in buffer.reduced()]
         if self.fp16:
             found_inf = self._found_inf(reduced)
             self.scaler.update(found_inf)
@@ -264,4 +267,5 @@ class DistributedOptimizer:
             "optimizer_state_bytes": sum(t.numel() * t.element_size() for state in states
                                          for t in state.values() if torch.is_tensor(t)),
             "grad_bytes": sum(buffer.grad_bytes() for buffer in self.buffers),
+            "grad_peak_bytes": sum(buffer.peak_grad_bytes() for buffer in self.buffers),
         }

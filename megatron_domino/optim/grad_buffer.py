@@ -8,7 +8,17 @@ a parameter buffer with the same layout, so ZeRO's all-gather writes updated sha
 the model.
 
 Sharding (ZeRO-1/2): every bucket is padded to a multiple of ``shards * ALIGN`` elements and cut into
-``shards`` equal, aligned pieces; DP rank r owns piece r. The layout is a pure function of the
+``shards`` equal, aligned pieces; DP rank r owns piece r. The reduce-scatter runs in place: its output is
+the rank's own piece of its input (NCCL's in-place rule, recvbuff = sendbuff + rank * count; gloo copies),
+so no second, shard-sized gradient is kept.
+- ZeRO-1 keeps the full gradient buffer all step (6 + 12/d bytes per bf16 weight with fp32 gradients and
+  Adam), accumulates every micro-batch into it, and reduce-scatters each bucket once, in the last backward.
+- ZeRO-2 keeps only the reduced shard (2 + 16/d): a bucket's full gradient is allocated when a backward pass
+  first writes it, reduce-scattered as soon as that pass has written all of it (or when the next pass
+  begins), added into the shard and freed, on every micro-batch, as DeepSpeed's stage 2 does. At most
+  ``IN_FLIGHT`` reductions run behind backward (a third waits for the oldest: on CUDA the stream waits, not
+  the host); with ``overlap_grad_reduce`` off each is waited for at once.
+  It costs a reduce-scatter per bucket and micro-batch instead of one per step. The layout is a pure function of the
 parameter list (order and shapes), the bucket size and the shard count, so ranks holding the same
 parameters (the TP ranks of one stage) agree on it. Parameters marked ``alone`` (the word embeddings
 and their tied copy on the last pipeline stage) get a bucket of their own: their shard ranges then
@@ -26,6 +36,7 @@ import torch.distributed as dist
 from ..parallel.comm import all_gather_flat, reduce_scatter_flat
 
 ALIGN = 128  # elements: shard boundaries land on 256-byte (bf16) / 512-byte (fp32) multiples
+IN_FLIGHT = 2  # ZeRO-2: full buckets whose reduction may still run while backward goes on
 
 
 @dataclass
@@ -78,7 +89,7 @@ class Fragment:
 
 
 class Bucket:
-    """One reduction unit: its full-size gradient (``grad``) and the part this rank keeps (``reduced``)."""
+    """One reduction unit: its full-size gradient (``grad``) and this rank's reduced piece (``reduced``)."""
 
     def __init__(self, layout: BucketLayout, start: int, shards: int, shard_index: int):
         self.params, self.offsets, self.size = layout.params, layout.offsets, layout.size
@@ -88,12 +99,16 @@ class Bucket:
         self.grad: torch.Tensor | None = None
         self.reduced: torch.Tensor | None = None
         self.work = None
-        self.ready: set[int] = set()  # ids of parameters whose last-micro-batch gradient has arrived
+        self.ready: set[int] = set()  # ids of parameters whose gradient of this pass has arrived
 
     def attach(self, grad: torch.Tensor) -> None:
         self.grad = grad
         for param, offset in zip(self.params, self.offsets):
             param.main_grad = grad[offset:offset + param.numel()].view_as(param)
+
+    def own_piece(self) -> torch.Tensor:
+        """This rank's piece of the full gradient: where the in-place reduce-scatter leaves the sum."""
+        return self.grad[self.shard_start:self.shard_start + self.shard_size]
 
     def release(self) -> None:
         self.grad = None
@@ -108,8 +123,7 @@ class Bucket:
 class GradBuffer:
     """The parameters of one model chunk and dtype: their weights, gradients, buckets and DP reductions.
 
-    ``shard``: reduce-scatter (ZeRO-1/2) instead of all-reduce. ``release``: ZeRO-2, where a bucket's
-    full-size gradient exists only from its first gradient of a step until its reduction completes.
+    ``shard``: reduce-scatter (ZeRO-1/2) instead of all-reduce. ``release``: ZeRO-2 (see the module docstring).
     """
 
     def __init__(self, params: list, grad_dtype: torch.dtype, bucket_elems: int, group, *, shard: bool,
@@ -124,23 +138,27 @@ class GradBuffer:
         total = sum(layout.size for layout in layouts)
         self.param_data = torch.zeros(total, dtype=params[0].dtype, device=self.device)
         self.grad_data = None if self.release else torch.zeros(total, dtype=grad_dtype, device=self.device)
-        self.reduced_data = (torch.zeros(total // self.shards, dtype=grad_dtype, device=self.device)
-                             if shard else self.grad_data)
+        self.shard_data = (torch.zeros(total // self.shards, dtype=grad_dtype, device=self.device)
+                           if self.release else None)  # ZeRO-2: the reduced shards, summed over micro-batches
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[int, Bucket] = {}
         start = 0
         for layout in layouts:
             bucket = Bucket(layout, start, self.shards, self.rank)
             self._adopt_weights(bucket)
-            if self.grad_data is not None:
+            if self.release:
+                begin = start // self.shards
+                bucket.reduced = self.shard_data[begin:begin + bucket.shard_size]
+            else:
                 bucket.attach(self.grad_data[start:start + bucket.size])
-            begin = start // self.shards
-            bucket.reduced = self.reduced_data[begin:begin + bucket.shard_size]
+                bucket.reduced = bucket.own_piece()
             self.buckets.append(bucket)
             start += bucket.size
         self.params = [p for b in self.buckets for p in b.params]
-        self._next = 0  # next bucket to launch: launches follow bucket order on every rank
+        self._next = 0  # next bucket to launch in this pass: launches follow bucket order on every rank
+        self._flying: list[Bucket] = []  # launched, not yet finished, oldest first
         self.launches = 0
+        self.peak_grad_elements = self._held_elements()
 
     def _adopt_weights(self, bucket: Bucket) -> None:
         """Make each weight a view of the parameter buffer (same values, new storage)."""
@@ -164,54 +182,79 @@ class GradBuffer:
                                       bucket.reduced[begin - lo:end - lo], data))
         return found
 
+    def reduced(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient, one tensor per bucket (valid after ``wait``)."""
+        return [bucket.reduced for bucket in self.buckets]
+
     # ----- gradients -----------------------------------------------------------------------------
+    def begin_pass(self) -> None:
+        """A backward pass (B, I or W) is about to run. ZeRO-2 reduces what the previous pass left and
+        starts counting afresh; ZeRO-0/1 reduce once per step, in the last passes, and count across them."""
+        if not self.release:
+            return
+        self.launch_remaining()
+        self._next = 0
+        for bucket in self.buckets:
+            bucket.ready.clear()
+
     def accumulate(self, param: torch.Tensor, last_microbatch: bool, overlap: bool) -> None:
         """Called after autograd accumulated ``param.grad``: move it into ``main_grad``, maybe launch."""
         bucket = self.bucket_of[id(param)]
-        track = last_microbatch and overlap
+        track = self.release or (overlap and last_microbatch)  # ZeRO-2 reduces each bucket once it is written
         if track and id(param) in bucket.ready:
             raise RuntimeError(
-                f"a parameter of shape {tuple(param.shape)} received a second gradient in the last micro-batch, "
-                f"after its bucket was marked ready for the DP reduction (a weight used by two separate backward "
-                f"passes?). Fix: set optimizer.overlap_grad_reduce = false, or call set_last_microbatch(True) only "
-                f"before the last backward.")
+                f"a parameter of shape {tuple(param.shape)} received a second gradient in one backward pass, after "
+                f"its bucket was marked ready for the DP reduction (a weight used by two separate backward passes "
+                f"without begin_backward between them?). Fix: set optimizer.overlap_grad_reduce = false, or call "
+                f"begin_backward before every backward pass.")
+        if bucket.work is not None:  # ZeRO-2: the bucket's previous pass is still being reduced
+            self._finish(bucket)
         if bucket.grad is None:
-            bucket.attach(torch.zeros(bucket.size, dtype=self.grad_dtype, device=self.device))
+            self._attach_new(bucket)
         param.main_grad.add_(param.grad)
         param.grad = None
         if track:
             bucket.ready.add(id(param))
-            self._launch_ready()
+            self._launch_ready(wait=not overlap)
 
-    def _launch_ready(self) -> None:
-        launched = self._next
+    def _attach_new(self, bucket: Bucket) -> None:
+        bucket.attach(torch.zeros(bucket.size, dtype=self.grad_dtype, device=self.device))
+        self.peak_grad_elements = max(self.peak_grad_elements, self._held_elements())
+
+    def _launch_ready(self, wait: bool) -> None:
+        """Launch the complete buckets in order; ``wait``: finish each at once (ZeRO-2 without overlap)."""
         while self._next < len(self.buckets) and self.buckets[self._next].complete:
             self._launch(self.buckets[self._next])
-        if self.release and self._next > launched:
-            self._release_finished()
+            if wait:
+                self._finish(self.buckets[self._next - 1])
+        if self.release:  # free what has been reduced; beyond IN_FLIGHT buckets, wait for the oldest
+            for index, bucket in enumerate(list(self._flying)):
+                if index < len(self._flying) - IN_FLIGHT or bucket.work.is_completed():
+                    self._finish(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
-        if bucket.grad is None:  # no gradient reached it this step (unused parameters): reduce zeros
-            bucket.attach(torch.zeros(bucket.size, dtype=self.grad_dtype, device=self.device))
+        self._next += 1
+        if self.release and (bucket.grad is None or bucket.work is not None):
+            return  # ZeRO-2: nothing written since its last reduction (a write would have finished that first)
+        if bucket.grad is None:
+            self._attach_new(bucket)  # unused parameters: reduce zeros
         if self.shards > 1:
-            bucket.work = reduce_scatter_flat(bucket.reduced, bucket.grad, group=self.group, async_op=True)
+            bucket.work = reduce_scatter_flat(bucket.own_piece(), bucket.grad, group=self.group, async_op=True)
         elif self.group is not None and dist.get_world_size(self.group) > 1:
             bucket.work = dist.all_reduce(bucket.grad, group=self.group, async_op=True)
+        if bucket.work is not None:
+            self._flying.append(bucket)
         self.launches += 1
-        self._next += 1
 
-    def _release_finished(self) -> None:
-        """ZeRO-2: drop the full-size gradient of every bucket whose reduce-scatter has completed."""
-        for bucket in self.buckets[:self._next]:
-            if bucket.grad is not None and (bucket.work is None or bucket.work.is_completed()):
-                self._wait(bucket)
-                bucket.release()
-
-    @staticmethod
-    def _wait(bucket: Bucket) -> None:
+    def _finish(self, bucket: Bucket) -> None:
+        """Wait for the bucket's reduction; ZeRO-2 adds its piece into the shard and frees the full gradient."""
         if bucket.work is not None:
             bucket.work.wait()
             bucket.work = None
+            self._flying.remove(bucket)
+        if self.release and bucket.grad is not None:
+            bucket.reduced.add_(bucket.own_piece())
+            bucket.release()
 
     def launch_remaining(self) -> None:
         """Launch, in order, what backward has not launched (overlap off, or buckets left incomplete)."""
@@ -219,18 +262,17 @@ class GradBuffer:
             self._launch(self.buckets[self._next])
 
     def wait(self) -> None:
-        """Wait for every launched reduction and reset for the next step (ZeRO-2 drops full gradients)."""
+        """Wait for every launched reduction and reset for the next step."""
         for bucket in self.buckets:
-            self._wait(bucket)
+            self._finish(bucket)
             bucket.ready.clear()
-            if self.release:
-                bucket.release()
         self._next = 0
 
     def zero(self) -> None:
         self.wait()
-        if self.grad_data is not None:
-            self.grad_data.zero_()
+        for data in (self.grad_data, self.shard_data):
+            if data is not None:
+                data.zero_()
 
     # ----- weights -------------------------------------------------------------------------------
     def gather_params(self) -> None:
@@ -245,10 +287,16 @@ class GradBuffer:
         for work in works:
             work.wait()
 
+    def _held_elements(self) -> int:
+        if not self.release:
+            return self.grad_data.numel()
+        return self.shard_data.numel() + sum(b.size for b in self.buckets if b.grad is not None)
+
     def grad_bytes(self) -> int:
-        """Gradient memory held now: the full buffer (ZeRO-0/1) or attached buckets (ZeRO-2), plus shards."""
-        held = self.grad_data.numel() if self.grad_data is not None else sum(
-            b.size for b in self.buckets if b.grad is not None)
-        if self.reduced_data is not self.grad_data:
-            held += self.reduced_data.numel()
-        return held * self.reduced_data.element_size()
+        """Gradient memory held now: the full buffer (ZeRO-0/1), or the shards and the buckets being reduced
+        (ZeRO-2)."""
+        return self._held_elements() * self.grad_dtype.itemsize
+
+    def peak_grad_bytes(self) -> int:
+        """The most gradient memory held at once since the buffer was built."""
+        return self.peak_grad_elements * self.grad_dtype.itemsize

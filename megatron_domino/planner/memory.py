@@ -3,11 +3,12 @@
 Static state, per parameter held by the rank (its TP shard of its pipeline chunks), following
 ``optim.distributed_optimizer``:
 - weights: 2 B (bf16/fp16) or 4 B (fp32);
-- gradients: a 4 B fp32 buffer (``accumulate_grads_in_fp32``, else the weight dtype). ZeRO-1/2 add the
-  reduced shard beside it: 1/(dp*cp), since context-parallel ranks hold the same weights and their
-  gradients reduce with the data-parallel ones. ZeRO-2 frees a bucket's full gradient once it is
-  reduced, but it lives from the step's first backward to its last, so with more than one micro-batch
-  it is all there at the peak; with one micro-batch only about one bucket is;
+- gradients: a 4 B fp32 buffer (``accumulate_grads_in_fp32``, else the weight dtype) under ZeRO-0/1 (ZeRO-1
+  reduce-scatters in place, so its shard lies inside the buffer); ZeRO-2 keeps the reduced shard alone,
+  1/(dp*cp) (context-parallel ranks hold the same weights and their gradients reduce with the
+  data-parallel ones), plus the full buckets being written and reduced at its peak, at most
+  1 + ``optim.grad_buffer.IN_FLIGHT`` buckets (each of ``bucket_size_mb`` or one weight larger than that),
+  with any number of micro-batches;
 - optimizer: fp32 master (4 B, only for 16-bit weights) + Adam's two moments (8 B; SGD momentum 4 B),
   divided by dp*cp under ZeRO >= 1.
 Mixture of experts: a rank holds its ep share of the experts, whose ZeRO shards span dp*cp/ep ranks (``moe.py``).
@@ -31,6 +32,7 @@ from functools import cache, wraps
 
 from ..config.schema import Config
 from ..models.counters import norm_parameters
+from ..optim.grad_buffer import IN_FLIGHT
 from ..pipeline.program import virtual_stage
 from ..pipeline.schedules import interleaved_warmup, schedule_kind
 from ..pipeline.stages import layer_partition
@@ -136,15 +138,23 @@ def static_bytes(cfg: Config, params: float, dp: int, experts: float = 0.0) -> t
     for count, shards in ((params - experts, dp * cfg.parallel.cp), (experts, expert_replicas(cfg, dp))):
         zero = opt.zero_stage if shards > 1 else 0  # one replica: the shard is the whole (as the optimizer does)
         full_grads = count * grad_e
-        if zero == 0:
+        if zero <= 1:  # ZeRO-1 reduce-scatters in place: its shard lies inside the full buffer
             grads += full_grads
-        elif zero == 1 or cfg.train.num_microbatches(dp) > 1:
-            grads += full_grads + full_grads / shards
-        else:
+        else:  # ZeRO-2: the shard, and full buckets only while they are written and reduced
             grads, bucketed = grads + full_grads / shards, bucketed + full_grads
         group_state = count * ((4 if e != 4 else 0) + moments)
         state += group_state / shards if zero >= 1 else group_state
-    return params * e, grads + min(bucketed, opt.bucket_size_mb * 2**20), state
+    bucket = max(opt.bucket_size_mb * 2**20, largest_weight(cfg) * grad_e)  # a weight is never cut in two
+    return params * e, grads + min(bucketed, (1 + IN_FLIGHT) * bucket), state
+
+
+def largest_weight(cfg: Config) -> int:
+    """Elements of the largest single weight on a TP rank: a bucket holds at least one whole weight (the word
+    embedding, alone in its bucket, or the first MLP projection)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    parts = 2 if m.activation == "swiglu" else 1
+    widest_ffn = max(m.ffn_size, m.moe_ffn_size if m.num_experts else 0)
+    return max(m.padded_vocab_size(tp) // tp * m.hidden_size, m.hidden_size * parts * widest_ffn // tp)
 
 
 def in_flight(cfg: Config, dp: int) -> list[int]:

@@ -146,15 +146,14 @@ def _variants(cfg: Config, tp: int, cp: int, pp: int, dp: int, v: int, allowed) 
     modes = [(sp, domino) for sp, domino in _tp_modes(tp, cfg.parallel.domino)
              if (not sp or _passes(check_sequence_split, seq, tp, cp))
              and allowed("sequence_parallel", sp) and allowed("domino", domino)]
-    # One replica: the ZeRO stage is moot. Several micro-batches: ZeRO-2 keeps whole gradients all step and
-    # would repeat ZeRO-1's row, so it is not estimated (``_without_equal_zero_stages`` drops other repeats).
+    # One replica: the ZeRO stage is moot (``_without_equal_zero_stages`` drops rows that repeat a lower stage).
     stages = [z for z in (ZERO_STAGES if dp * cp > 1 else (cfg.optimizer.zero_stage,)) if allowed("zero_stage", z)]
     eps = [ep for ep in divisors(dp) if allowed("ep", ep) and (
         ep == 1 if not cfg.model.num_experts
         else _passes(check_expert_split, cfg.model.num_experts, ep, tp, cfg.parallel.expert_tp))]
     return [Layout(tp, pp, dp, v, b, recompute, zero, sp, domino, cp, ep)
             for b, (sp, domino), recompute, zero, ep in product(micro, modes, RECOMPUTE, stages, eps)
-            if allowed("recompute", recompute) and not (zero == 2 and 1 in stages and batch // (b * dp) > 1)]
+            if allowed("recompute", recompute)]
 
 
 def _passes(rule, *args) -> bool:

@@ -210,12 +210,14 @@ def estimate_step_time(cfg: Config, dp: int, gpu: GPU, gpus_per_node: int,
         else:
             reduce += grads / 2
             gather += _all_reduce(params * e, replicas, bandwidth) / 2
+    # ZeRO-2 reduce-scatters in every micro-batch's backward (it keeps no whole gradient), the others once a step
+    passes = m if cfg.optimizer.zero_stage == 2 else 1
     overlap = min(reduce, compute_mb * 2 / 3) if cfg.optimizer.overlap_grad_reduce else 0.0
 
     return StepTime(compute=m * compute_mb, bubble=(par.pp - 1) / par.virtual_pp * per_microbatch,
                     tp_exposed=m * (1 - hidden) * tp_mb, tp_hidden=m * hidden * tp_mb,
                     cp_exposed=m * cp_exposed, cp_hidden=m * cp_hidden, pp_comm=m * pp_mb,
-                    ep_exposed=m * ep_mb, dp_exposed=reduce - overlap + gather)
+                    ep_exposed=m * ep_mb, dp_exposed=passes * (reduce - overlap) + gather)
 
 
 def model_flops_per_step(cfg: Config) -> float:

@@ -103,7 +103,7 @@ def _claim_state(memory: AllocationAccounting, trainer) -> None:
     params = [p for chunk in trainer.chunks for p in chunk.parameters()]
     optimizer = trainer.optimizer
     grads = [t for buffer in optimizer.buffers
-             for t in [buffer.grad_data, buffer.reduced_data] + [bucket.grad for bucket in buffer.buckets]]
+             for t in [buffer.grad_data, buffer.shard_data] + [bucket.grad for bucket in buffer.buckets]]
     states = [t for state in (optimizer.optimizer.state.values() if optimizer.optimizer is not None else [])
               for t in state.values() if torch.is_tensor(t)]
     memory.claim(params, "parameters", force=True)

@@ -74,7 +74,7 @@ class Trainer:
         self.lr_schedule = LRSchedule.from_config(cfg.optimizer, train.steps)
         self.engine = PipelineEngine(self.chunks, self.state, cfg, device=self.device, dtype=self.dtype,
                                      num_microbatches=train.num_microbatches(self.state.dp_size),
-                                     on_backward=self.optimizer.set_last_microbatch)
+                                     on_backward=self.optimizer.begin_backward)
         self.step, self.phase = 0, "start-up"
         self.watchdog = Watchdog(self.state, par.timeout_s, self.describe)
         writer = self.engine.holds_loss and self.state.tp_rank == 0 and self.state.dp_rank == 0
