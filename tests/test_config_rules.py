@@ -28,6 +28,9 @@ INVALID = [  # (overrides, world size, offending key)
     (["parallel.tp=3"], 3, "model.num_attention_heads"),                   # 4 heads % tp 3
     (["parallel.tp=2", "model.num_query_groups=1"], 2, "model.num_query_groups"),
     (["parallel.tp=2", "model.ffn_hidden_size=129"], 2, "model.ffn_hidden_size"),
+    (["optimizer.offload=gpu"], 1, "optimizer.offload"),
+    (["optimizer.offload=cpu", "optimizer.zero_stage=0"], 1, "optimizer.offload"),
+    (["optimizer.offload=cpu", "optimizer.offload_fraction=1.5"], 1, "optimizer.offload_fraction"),
     (["parallel.tp=4", "model.hidden_size=66", "model.kv_channels=16"], 4, "model.hidden_size"),
     (["parallel.tp=2"], 3, "parallel.dp"),                                 # world 3 not divisible by tp*pp
     (["parallel.dp=2"], 4, "parallel.dp"),                                 # 1*1*2 != 4

@@ -83,6 +83,31 @@ def check_accumulation_and_overlap(group, dp_rank, dp, data, stage, overlap=True
         return report["grad_peak_bytes"] / whole
 
 
+def check_offload_is_the_same_arithmetic(group, dp_rank, dp, data):
+    """optimizer.offload=cpu (the whole shard, or half of it) steps exactly as the device does; the offloaded
+    masters are copies of their own, and the host holds their 12 bytes per weight (master + Adam's moments)."""
+    for stage, fraction in ((1, 1.0), (2, 1.0), (1, 0.5)):
+        results = []
+        for offload in (None, "cpu"):
+            model = new_model()
+            opt = optimizer_config(zero_stage=stage, offload=offload, offload_fraction=fraction)
+            dopt = DistributedOptimizer([model], opt, dp_group=group, tp_rank=0, norm_groups=[])
+            for tokens, labels in data[:3]:
+                backward_step(model, dopt, tokens, labels, dp_rank, dp)
+                assert dopt.step(LR)[0]
+            results.append((dict(model.named_global_parameters()), dopt))
+        (plain, _), (offloaded, dopt) = results
+        for name, param in offloaded.items():
+            assert torch.equal(param, plain[name]), f"zero {stage} offload {fraction}: {name}"
+        chosen = [dopt.fragments[i] for i in dopt.offload.chosen]
+        shard = sum(f.end - f.start for f in dopt.fragments)
+        assert all(dopt.masters[i] is not dopt.fragments[i].data for i in dopt.offload.chosen)
+        assert fraction * shard <= sum(f.end - f.start for f in chosen) < fraction * shard + max(
+            f.end - f.start for f in dopt.fragments) + 1
+        steps = 4 * len(chosen)  # AdamW's step count, one fp32 scalar per master
+        assert dopt.memory_report()["host_bytes"] == 12 * sum(f.end - f.start for f in chosen) + steps
+
+
 def check_fp16_overflow(group, dp_rank, dp, data):
     """An inf in one rank's shard skips the step on every rank, backs the scale off, and changes nothing else."""
     model = new_model(dtype=torch.float16)
@@ -175,7 +200,7 @@ def _save(model, dopt, path, group) -> None:
 
 
 def check_checkpoint_reshard(rank, data):
-    """Saved at dp = 2 (ZeRO-1, two replicas), loaded at dp = 4 (ZeRO-2): each rank reads only its new shard;
+    """Saved at dp = 2 (ZeRO-1, two replicas), loaded at dp = 4 (ZeRO-2, offloaded): each rank reads only its new shard;
     same state (saved again, every stored tensor is bit-identical), same next step."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     everyone = dist.new_group([0, 1, 2, 3])
@@ -190,8 +215,8 @@ def check_checkpoint_reshard(rank, data):
     first, second = os.path.join(box[0], "dp2"), os.path.join(box[0], "dp4")
     _save(small, small_opt, first, everyone)
     big = new_model(seed=SEED + 1)
-    big_opt = DistributedOptimizer([big], optimizer_config(zero_stage=2), dp_group=everyone, tp_rank=0,
-                                   norm_groups=[])
+    big_opt = DistributedOptimizer([big], optimizer_config(zero_stage=2, offload="cpu"), dp_group=everyone,
+                                   tp_rank=0, norm_groups=[])  # its masters and moments offloaded
     loading = ShardedStateLoad(big_opt, checkpoint_meta(small_opt))
     tensors.read(first, {**model_targets([big], 0), **optimizer_targets(loading)}, group=everyone)
     loading.apply()
@@ -230,6 +255,9 @@ def _dp_checks(rank, world):
         sgd = optimizer_config(name="sgd", zero_stage=1)
         check_parity(group, rank, world, data, reference(data, sgd), sgd)
         check_fp16_overflow(group, rank, world, data)
+        check_offload_is_the_same_arithmetic(group, rank, world, data)
+        offload = optimizer_config(zero_stage=2, offload="cpu")
+        check_parity(group, rank, world, data, adamw, offload)
     else:
         check_tensor_and_data_parallel(rank, data, adamw)
         check_checkpoint_reshard(rank, data)

@@ -56,4 +56,5 @@ class Checks:
         """A size that TP cuts into equal parts (unset or non-positive: another rule names it)."""
         if value is not None and value >= 1:
             fits = [str(t) for t in (1, 2, 4, 8, 16, 32, 64) if value % t == 0]
-            self.divides(key, value, tp, "parallel.tp", f"use a parallel.tp that divides {value} (e.g. {', '.join(fits)})")
+            self.divides(key, value, tp, "parallel.tp",
+                         f"use a parallel.tp that divides {value} (e.g. {', '.join(fits)})")

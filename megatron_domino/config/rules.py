@@ -21,6 +21,7 @@ from .schema import (
     FREE_SPACE,
     LR_SCHEDULES,
     NORMS,
+    OFFLOAD_DEVICES,
     OPTIMIZERS,
     POSITION_EMBEDDINGS,
     RECOMPUTE,
@@ -181,6 +182,7 @@ def check_optimizer(c: Checks, cfg: Config) -> None:
     c.positive("optimizer.eps", o.eps)
     c.at_least("optimizer.clip_grad", o.clip_grad, 0.0)
     c.positive("optimizer.bucket_size_mb", o.bucket_size_mb)
+    _check_offload(c, o)
     c.at_least("optimizer.warmup_steps", o.warmup_steps, 0)
     if o.decay_steps is not None:
         c.at_least("optimizer.decay_steps", o.decay_steps, 0)
@@ -196,6 +198,19 @@ def check_optimizer(c: Checks, cfg: Config) -> None:
     if c.positive("optimizer.min_loss_scale", o.min_loss_scale) and o.min_loss_scale > o.initial_loss_scale:
         c.fail("optimizer.min_loss_scale", o.min_loss_scale, f"exceeds optimizer.initial_loss_scale = "
                f"{o.initial_loss_scale}", "lower min_loss_scale (1.0 is usual)")
+
+
+def _check_offload(c: Checks, o) -> None:
+    """CPU offload moves the ZeRO shard's masters and moments (optim/offload.py), so it needs a shard."""
+    if o.offload is None:
+        return
+    c.one_of("optimizer.offload", o.offload, OFFLOAD_DEVICES)
+    if not 0 < o.offload_fraction <= 1:
+        c.fail("optimizer.offload_fraction", o.offload_fraction, "must lie in (0, 1]",
+               "use 1.0 to offload the whole shard, or e.g. 0.5 for half of it")
+    if o.zero_stage == 0:
+        c.fail("optimizer.offload", o.offload, "offloads the ZeRO shard of the optimizer state, and "
+               "optimizer.zero_stage = 0 keeps none", "set optimizer.zero_stage=1 (or 2) with optimizer.offload=cpu")
 
 
 def check_data(c: Checks, cfg: Config, check_paths: bool) -> None:

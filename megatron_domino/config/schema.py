@@ -187,6 +187,7 @@ OPTIMIZERS = ("adamw", "sgd")
 FREE_SPACE = ("warn", "fail")
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 ZERO_STAGES = (0, 1, 2)
+OFFLOAD_DEVICES = ("cpu",)
 
 
 @dataclass
@@ -206,6 +207,8 @@ class OptimizerConfig:
     bucket_size_mb: float = 25.0
     overlap_grad_reduce: bool = True
     accumulate_grads_in_fp32: bool = True
+    offload: Optional[str] = None  # OFFLOAD_DEVICES: "cpu" keeps masters and Adam state in host memory
+    offload_fraction: float = 1.0  # the share of this rank's shard offloaded (Megatron's optimizer_offload_fraction)
     lr_schedule: str = "cosine"  # LR_SCHEDULES
     warmup_steps: int = 0
     decay_steps: Optional[int] = None  # None: train.steps - warmup_steps

@@ -35,7 +35,8 @@ from ..parallel import comm
 from .grad_buffer import Fragment, GradBuffer
 from .grad_norm import global_norm, local_squared_norm
 from .loss_scaler import found_inf_across_ranks, loss_scaler_from_config
-from .param_groups import STATE_KEYS, build_inner_optimizer, uses_apex, weight_decay_groups
+from .offload import HostOffload
+from .param_groups import STATE_KEYS, build_inner_optimizer, master_device_types, uses_apex, weight_decay_groups
 
 
 @dataclass(frozen=True)
@@ -89,11 +90,14 @@ class DistributedOptimizer:
         self.bucket_alone = bucket_alone
         self.buffers = self._build_buffers(model_chunks)
         self.fragments: list[Fragment] = [f for buffer in self.buffers for f in buffer.fragments()]
-        self.masters = [f.data if f.data.dtype == torch.float32 else f.data.float() for f in self.fragments]
         self.device = self.buffers[0].device if self.buffers else torch.device("cpu")
+        self.offload = HostOffload(self.fragments, opt.offload_fraction if opt.offload else 0.0, self.device)
+        self.masters = [self.offload.master(i, f) if i in self.offload.chosen
+                        else f.data if f.data.dtype == torch.float32 else f.data.float()
+                        for i, f in enumerate(self.fragments)]
         groups = weight_decay_groups([(m, f.param) for m, f in zip(self.masters, self.fragments)],
                                      opt.weight_decay)
-        self.optimizer = build_inner_optimizer(groups, opt, self.device) if groups else None
+        self.optimizer = build_inner_optimizer(groups, opt) if groups else None
         self._fragment_of = {id(f.param): f for f in self.fragments}
         self._buffer_of = {id(p): buffer for buffer in self.buffers for p in buffer.params}
         for buffer in self.buffers:
@@ -211,14 +215,18 @@ class DistributedOptimizer:
         return dense + experts
 
     def _update(self, lr: float) -> None:
-        for master, fragment in zip(self.masters, self.fragments):
-            master.grad = fragment.grad if fragment.grad.dtype == torch.float32 else fragment.grad.float()
+        for index, (master, fragment) in enumerate(zip(self.masters, self.fragments)):
+            if index not in self.offload.chosen:
+                master.grad = fragment.grad if fragment.grad.dtype == torch.float32 else fragment.grad.float()
+        self.offload.gradients_to_host(self.fragments, self.masters)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        copies = [(f.data, m) for m, f in zip(self.masters, self.fragments) if m is not f.data]
+        copies = [(f.data, m) for i, (m, f) in enumerate(zip(self.masters, self.fragments))
+                  if m is not f.data and i not in self.offload.chosen]
         if copies:
             torch._foreach_copy_([data for data, _ in copies], [master for _, master in copies])
+        self.offload.weights_to_device(self.fragments, self.masters)
         for master in self.masters:
             master.grad = None
 
@@ -249,7 +257,7 @@ class DistributedOptimizer:
                     entry["step"] = torch.tensor(float(step))
                 per_index[index] = entry
             packed["state"] = per_index
-            if uses_apex(self.opt, self.device):  # apex counts steps per group, not per tensor
+            if uses_apex(self.opt, master_device_types(self.optimizer.param_groups)):  # steps per group, not tensor
                 for group in packed["param_groups"]:
                     group["step"] = step
             self.optimizer.load_state_dict(packed)
@@ -259,7 +267,8 @@ class DistributedOptimizer:
     # ----- accounting ------------------------------------------------------------------------------------
     def memory_report(self) -> dict:
         """Bytes held on this rank. ``master_bytes`` counts fp32 masters even where they are the fp32
-        weights themselves; ``params`` is the number of weight elements on this rank."""
+        weights themselves; ``params`` is the number of weight elements on this rank; ``host_bytes``, the part
+        of masters and optimizer state offloaded to host memory (``optimizer.offload``)."""
         states = self.optimizer.state.values() if self.optimizer is not None else []
         return {
             "params": sum(p.numel() for buffer in self.buffers for p in buffer.params),
@@ -268,4 +277,5 @@ class DistributedOptimizer:
                                          for t in state.values() if torch.is_tensor(t)),
             "grad_bytes": sum(buffer.grad_bytes() for buffer in self.buffers),
             "grad_peak_bytes": sum(buffer.peak_grad_bytes() for buffer in self.buffers),
+            "host_bytes": self.offload.host_bytes(self.masters, self.optimizer.state if self.optimizer else {}),
         }

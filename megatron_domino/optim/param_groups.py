@@ -5,7 +5,7 @@ removes useful offsets and scales, so by default they get none. The decision is 
 parameter, because a ZeRO shard of any parameter is a 1-D tensor.
 
 Implementation: apex's FusedAdam when it is importable and the shard is on CUDA, else torch's
-fused kernels on CUDA, else torch's multi-tensor (foreach) path on the CPU.
+fused kernels on CUDA, else torch's multi-tensor (foreach) path on the CPU (and for masters offloaded to it).
 """
 from __future__ import annotations
 
@@ -35,17 +35,23 @@ def weight_decay_groups(masters: list[tuple[torch.Tensor, torch.Tensor]], weight
     return [group for group in groups if group["params"]]
 
 
-def uses_apex(opt: OptimizerConfig, device: torch.device) -> bool:
-    return opt.name == "adamw" and device.type == "cuda" and _ApexFusedAdam is not None
+def uses_apex(opt: OptimizerConfig, device_types: set[str]) -> bool:
+    return opt.name == "adamw" and device_types == {"cuda"} and _ApexFusedAdam is not None
 
 
-def build_inner_optimizer(groups: list[dict], opt: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
+def master_device_types(groups: list[dict]) -> set[str]:
+    """Where the masters live: the device, the host (CPU offload), or both (a fraction offloaded)."""
+    return {master.device.type for group in groups for master in group["params"]}
+
+
+def build_inner_optimizer(groups: list[dict], opt: OptimizerConfig) -> torch.optim.Optimizer:
+    """Fused kernels when every master is on CUDA; otherwise multi-tensor ones, which group by device."""
     if opt.name not in STATE_KEYS:
         raise ConfigError("optimizer.name", opt.name, f"must be one of {sorted(STATE_KEYS)}", "use adamw or sgd")
-    cuda = device.type == "cuda"
-    kernel = {"fused": True} if cuda else {"foreach": True}
+    devices = master_device_types(groups)
+    kernel = {"fused": True} if devices == {"cuda"} else {"foreach": True}
     if opt.name == "sgd":
         return torch.optim.SGD(groups, lr=opt.lr, momentum=opt.momentum, **kernel)
-    if uses_apex(opt, device):
+    if uses_apex(opt, devices):
         return _ApexFusedAdam(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, adam_w_mode=True)
     return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, **kernel)

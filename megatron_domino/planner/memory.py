@@ -10,7 +10,8 @@ Static state, per parameter held by the rank (its TP shard of its pipeline chunk
   1 + ``optim.grad_buffer.IN_FLIGHT`` buckets (each of ``bucket_size_mb`` or one weight larger than that),
   with any number of micro-batches;
 - optimizer: fp32 master (4 B, only for 16-bit weights) + Adam's two moments (8 B; SGD momentum 4 B),
-  divided by dp*cp under ZeRO >= 1.
+  divided by dp*cp under ZeRO >= 1; with ``optimizer.offload`` the ``offload_fraction`` of it is in host
+  memory, not on the device.
 Mixture of experts: a rank holds its ep share of the experts, whose ZeRO shards span dp*cp/ep ranks (``moe.py``).
 
 Activations per token: ``planner/activations.py``, tensor by tensor for this code.
@@ -142,8 +143,10 @@ def static_bytes(cfg: Config, params: float, dp: int, experts: float = 0.0) -> t
             grads += full_grads
         else:  # ZeRO-2: the shard, and full buckets only while they are written and reduced
             grads, bucketed = grads + full_grads / shards, bucketed + full_grads
-        group_state = count * ((4 if e != 4 else 0) + moments)
+        group_state = count * ((4 if e != 4 or opt.offload else 0) + moments)  # offload: masters of their own
         state += group_state / shards if zero >= 1 else group_state
+    if opt.offload:  # masters and moments of the offloaded share live in host memory
+        state *= 1 - opt.offload_fraction
     bucket = max(opt.bucket_size_mb * 2**20, largest_weight(cfg) * grad_e)  # a weight is never cut in two
     return params * e, grads + min(bucketed, (1 + IN_FLIGHT) * bucket), state
 
