@@ -1,6 +1,6 @@
 """Memory per rank by category, measured, beside the planner's estimate for the same config.
 
-    python benchmarks/memory.py          # ZeRO 0/1/2 at dp = 2, 4, 8, then recompute none/full/selective at dp = 1
+    python benchmarks/memory.py   # ZeRO 0/1/2 at dp = 2, 4, 8, offloaded ZeRO-1/2 at 4, recompute modes at dp = 1
 
 Every configuration is its own job (4 ranks under torchrun, or one bare process), so each peak RSS
 belongs to one configuration. Per rank, after a few training steps:
@@ -11,8 +11,10 @@ belongs to one configuration. Per rank, after a few training steps:
   optimizer    Adam's moments, plus the fp32 masters when weights are 16-bit (fp32 weights are their own)
   activations  the peak of what autograd saved for backward, per storage (views count once, weights not),
                seen through torch.autograd.graph.saved_tensors_hooks
-  B/param      model state (weights + gradients + optimizer) per weight, measured, beside the formula for bf16
-               weights, fp32 gradients and AdamW: 18 (ZeRO-0), 6 + 12/d (ZeRO-1), 2 + 16/d (ZeRO-2)
+  host         masters and Adam's moments offloaded to host memory (optimizer.offload=cpu), not in optim
+  B/param      device model state (weights + gradients + optimizer) per weight, measured, beside the formula
+               for bf16 weights, fp32 gradients and AdamW: 18 (ZeRO-0), 6 + 12/d (ZeRO-1), 2 + 16/d (ZeRO-2);
+               offloaded: 6 (ZeRO-1), 2 + 4/d (ZeRO-2)
   peak RSS     the process's peak resident set, and its growth over the RSS before the Trainer was built
                (which adds transients, allocator slack and gloo buffers to the categories)
 The planner's columns are megatron_domino.planner.memory.estimate_stages for the same config on its "cpu"
@@ -29,8 +31,10 @@ from common import (MODEL_FLAGS, add_model_args, run_harness,
                     launch, load_benchmark_config, model_overrides, read_json, write_json)
 
 MIB = 2**20
-ZERO_RUNS = [(stage, "none", dp) for dp in (2, 4, 8) for stage in (0, 1, 2)]  # (zero stage, recompute, ranks = dp)
-RECOMPUTE_RUNS = [(0, mode, 1) for mode in ("none", "full", "selective")]
+# (zero stage, recompute, ranks = dp, optimizer offloaded to the host)
+ZERO_RUNS = [(stage, "none", dp, False) for dp in (2, 4, 8) for stage in (0, 1, 2)]
+OFFLOAD_RUNS = [(stage, "none", 4, True) for stage in (1, 2)]
+RECOMPUTE_RUNS = [(0, mode, 1, False) for mode in ("none", "full", "selective")]
 
 
 def parse_args(argv=None):
@@ -44,6 +48,7 @@ def parse_args(argv=None):
     parser.add_argument("--json", default=os.path.join(RESULTS, "memory.json"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--zero", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--offload", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--recompute", default="none", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -108,6 +113,7 @@ def worker(args) -> None:
     overrides = model_overrides(args, f"memory/zero{args.zero}-{args.recompute}") + [
         "parallel.tp=1", "parallel.pp=1", "parallel.domino=false", f"optimizer.zero_stage={args.zero}",
         f"model.recompute={args.recompute}", f"optimizer.bucket_size_mb={args.bucket_mb}",
+        f"optimizer.offload={'cpu' if args.offload else 'null'}",
         f"train.global_batch_size={args.micro_batch * world * args.microbatches}"]
     cfg = load_benchmark_config(overrides)
     trainer = build_trainer(cfg)
@@ -121,7 +127,8 @@ def worker(args) -> None:
     weights_are_masters = trainer.dtype == torch.float32
     mine = {"rank": dist.get_rank(), "params_bytes": sum(p.numel() * p.element_size() for p in params),
             "grads_bytes": report["grad_bytes"], "grads_peak_bytes": report["grad_peak_bytes"],
-            "optimizer_bytes": report["optimizer_state_bytes"] + (0 if weights_are_masters else report["master_bytes"]),
+            "optimizer_bytes": report["optimizer_state_bytes"] + (0 if weights_are_masters else report["master_bytes"])
+            - report["host_bytes"], "host_bytes": report["host_bytes"],
             "activations_bytes": saved.peak,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "baseline_rss_bytes": baseline}
@@ -132,12 +139,16 @@ def worker(args) -> None:
         plan = estimate_stages(cfg, world, get_gpu("cpu"))[0]
         planner = {"params_bytes": plan.params, "grads_bytes": plan.grads, "optimizer_bytes": plan.optimizer,
                    "activations_bytes": plan.activations, "transient_bytes": plan.transient, "total_bytes": plan.total}
-        write_json(args.json, {"zero_stage": args.zero, "recompute": args.recompute, "dp": world,
+        planner["host_bytes"] = plan.host
+        write_json(args.json, {"zero_stage": args.zero, "recompute": args.recompute, "dp": world, "offload": args.offload,
                                "args": vars(args), "ranks": everyone, "planner": planner})
 
 
-def formula_bytes_per_param(zero: int, dp: int) -> float:
-    """bf16 weights, fp32 gradients, fp32 masters and Adam's two moments (optim/distributed_optimizer.py)."""
+def formula_bytes_per_param(zero: int, dp: int, offload: bool = False) -> float:
+    """On the device: bf16 weights, fp32 gradients, fp32 masters and Adam's two moments
+    (optim/distributed_optimizer.py); with offload, masters and moments are in host memory."""
+    if offload:
+        return {1: 6.0, 2: 2 + 4 / dp}[zero]
     return {0: 18.0, 1: 6 + 12 / dp, 2: 2 + 16 / dp}[zero if dp > 1 else 0]
 
 
@@ -150,16 +161,19 @@ def report(runs: list[dict]) -> str:
         for r in run["ranks"][:1] if a["bf16"] else run["ranks"]:
             state = r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"]
             per_param = state / (r["params_bytes"] / 2) if a["bf16"] else float("nan")
-            rows.append([f"zero {run['zero_stage']} dp {run['dp']} recompute {run['recompute']}", r["rank"],
+            offload = run.get("offload", False)
+            rows.append([f"zero {run['zero_stage']} dp {run['dp']} recompute {run['recompute']}"
+                         + (" offload" if offload else ""), r["rank"],
                          mib(r["params_bytes"]), mib(r["grads_bytes"]),
                          mib(r["grads_peak_bytes"] - r["grads_bytes"]), mib(r["optimizer_bytes"]),
-                         f"{per_param:.2f} / {formula_bytes_per_param(run['zero_stage'], run['dp']):.2f}",
+                         mib(r.get("host_bytes", 0)),
+                         f"{per_param:.2f} / {formula_bytes_per_param(run['zero_stage'], run['dp'], offload):.2f}",
                          mib(r["activations_bytes"]), mib(r["peak_rss_bytes"]),
                          mib(r["peak_rss_bytes"] - r["baseline_rss_bytes"]),
                          mib(p["params_bytes"]), mib(p["grads_bytes"]), mib(p["optimizer_bytes"]),
-                         mib(p["activations_bytes"]), mib(p["total_bytes"])])
-    headers = ["config", "rank", "params", "grads", "+buckets", "optim", "B/param / formula", "act", "peak RSS", "RSS growth",
-               "| plan params", "grads", "optim", "act", "total"]
+                         mib(p.get("host_bytes", 0)), mib(p["activations_bytes"]), mib(p["total_bytes"])])
+    headers = ["config", "rank", "params", "grads", "+buckets", "optim", "host", "B/param / formula", "act",
+               "peak RSS", "RSS growth", "| plan params", "grads", "optim", "host", "act", "total"]
     return "\n".join([f"Memory per rank in MiB: GPT hidden {a['hidden']}, layers {a['layers']}, seq {a['seq']}, "
                       f"micro batch {a['micro_batch']} x {a['microbatches']} per step, buckets of {a['bucket_mb']} MB, "
                       f"{'bf16 weights, fp32 grads and masters' if a['bf16'] else 'fp32'}, AdamW; "
@@ -169,10 +183,10 @@ def report(runs: list[dict]) -> str:
 def drive(args) -> None:
     shared = forward_flags(args, MODEL_FLAGS + ("microbatches", "steps", "bucket_mb"))
     runs = []
-    for zero, recompute, ranks in ZERO_RUNS + RECOMPUTE_RUNS:
-        out = os.path.join(RESULTS, f"memory_zero{zero}_{recompute}_dp{ranks}.json")
+    for zero, recompute, ranks, offload in ZERO_RUNS + OFFLOAD_RUNS + RECOMPUTE_RUNS:
+        out = os.path.join(RESULTS, f"memory_zero{zero}_{recompute}_dp{ranks}{'_offload' if offload else ''}.json")
         launch(os.path.abspath(__file__), ranks, shared + ["--zero", str(zero), "--recompute", recompute,
-                                                           "--json", out])
+                                                           "--json", out] + (["--offload"] if offload else []))
         runs.append(read_json(out))
     print(report(runs))
     print(f"results: {write_json(args.json, {'runs': runs})}")

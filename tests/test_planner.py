@@ -28,7 +28,7 @@ from megatron_domino.pipeline.simulate import Costs, simulate
 from megatron_domino.pipeline.stages import layer_partition
 from megatron_domino.planner.hardware import get_gpu
 from megatron_domino.planner.activations import chunk_activation_bytes
-from megatron_domino.planner.memory import estimate_memory, in_flight, rank_parameters
+from megatron_domino.planner.memory import estimate_memory, in_flight, largest_weight, rank_parameters
 from megatron_domino.planner.timing import estimate_step_time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -204,6 +204,21 @@ def test_estimate_matches_a_real_cpu_training_step(path, overrides):
     assert (est.params, est.grads, est.optimizer) == pytest.approx((params, grads, states), rel=1e-6)
     assert est.activations + est.transient == pytest.approx(dynamic, rel=0.2)
     assert est.total == pytest.approx(params + grads + states + dynamic, rel=0.2)
+
+
+def test_zero_stages_and_offload_per_weight():
+    """Model state per weight, bf16 weights with fp32 gradients and AdamW, at dp 4: 6 + 12/d (ZeRO-1, the shard
+    inside the buffer), 2 + 16/d (ZeRO-2) plus its buckets in flight; offload moves the 12/d to the host."""
+    base = ["train.bf16=true", "train.global_batch_size=32", "optimizer.bucket_size_mb=0.001"]
+    weights = estimate_memory(_tiny(GPT, *base), 4, CPU).params / 2
+    buckets = 3 * largest_weight(_tiny(GPT)) * 4  # written + IN_FLIGHT, each one whole fp32 weight here
+    for stage, offload, fraction, device, host in [(1, "null", 1.0, 6 + 3, 0), (2, "null", 1.0, 2 + 1 + 3, 0),
+                                                   (1, "cpu", 1.0, 6, 3), (2, "cpu", 0.5, 2 + 1 + 1.5, 1.5)]:
+        est = estimate_memory(_tiny(GPT, *base, f"optimizer.zero_stage={stage}", f"optimizer.offload={offload}",
+                                    f"optimizer.offload_fraction={fraction}"), 4, CPU)
+        extra = buckets if stage == 2 else 0
+        assert est.params + est.grads + est.optimizer == pytest.approx(device * weights + extra), (stage, offload)
+        assert est.host == pytest.approx(host * weights), (stage, offload)
 
 
 # ----- schedules: in-flight micro-batches and the bubble vs the simulator -----------------------------

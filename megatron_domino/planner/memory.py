@@ -57,6 +57,7 @@ class StageMemory:
     transient: float
     overhead: float
     in_flight: int  # micro-batches (chunk-micro-batches when interleaved) whose activations are held
+    host: float = 0.0  # optimizer state offloaded to host memory (optimizer.offload), not on the GPU
 
     @property
     def total(self) -> float:
@@ -68,7 +69,8 @@ class StageMemory:
         parts = [("params", self.params), ("grads", self.grads), ("optim", self.optimizer),
                  ("act", self.activations), ("transient", self.transient), ("overhead", self.overhead)]
         terms = " + ".join(f"{name} {value / scale:.1f}" for name, value in parts)
-        return f"{terms} = {self.total / scale:.1f} {unit}"
+        host = f" (+ {self.host / scale:.1f} {unit} of optimizer state in host memory)" if self.host else ""
+        return f"{terms} = {self.total / scale:.1f} {unit}{host}"
 
 
 def per_model_layout(fn):
@@ -129,9 +131,10 @@ def rank_parameters(cfg: Config) -> tuple[float, ...]:
     return tuple(dense + experts for dense, experts in rank_parameter_split(cfg))
 
 
-def static_bytes(cfg: Config, params: float, dp: int, experts: float = 0.0) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer state) bytes for ``params`` parameters on one GPU, ``experts`` of them expert
-    parameters: ZeRO shards dense state over dp*cp and expert state over the expert-data-parallel group."""
+def static_bytes(cfg: Config, params: float, dp: int, experts: float = 0.0) -> tuple[float, float, float, float]:
+    """(weights, gradients, optimizer state, offloaded optimizer state) bytes for ``params`` parameters on one
+    GPU, ``experts`` of them expert parameters: ZeRO shards dense state over dp*cp and expert state over the
+    expert-data-parallel group; the last is in host memory."""
     opt, e = cfg.optimizer, weight_bytes(cfg)
     grad_e = 4 if opt.accumulate_grads_in_fp32 else e
     moments = 8 if opt.name == "adamw" else (4 if opt.momentum > 0 else 0)
@@ -145,10 +148,9 @@ def static_bytes(cfg: Config, params: float, dp: int, experts: float = 0.0) -> t
             grads, bucketed = grads + full_grads / shards, bucketed + full_grads
         group_state = count * ((4 if e != 4 or opt.offload else 0) + moments)  # offload: masters of their own
         state += group_state / shards if zero >= 1 else group_state
-    if opt.offload:  # masters and moments of the offloaded share live in host memory
-        state *= 1 - opt.offload_fraction
+    host = state * opt.offload_fraction if opt.offload else 0.0  # the offloaded masters and moments
     bucket = max(opt.bucket_size_mb * 2**20, largest_weight(cfg) * grad_e)  # a weight is never cut in two
-    return params * e, grads + min(bucketed, (1 + IN_FLIGHT) * bucket), state
+    return params * e, grads + min(bucketed, (1 + IN_FLIGHT) * bucket), state - host, host
 
 
 def largest_weight(cfg: Config) -> int:
@@ -189,12 +191,12 @@ def estimate_stages(cfg: Config, dp: int, gpu: GPU) -> list[StageMemory]:
         cfg, gpu, len(layers), first, last, sum(map(cfg.model.is_moe_layer, layers))))
     result = []
     for rank, (dense, experts) in enumerate(rank_parameter_split(cfg)):
-        weights, grads, optimizer = static_bytes(cfg, dense + experts, dp, experts)
+        weights, grads, optimizer, host = static_bytes(cfg, dense + experts, dp, experts)
         chunks = [virtual_stage(rank, c, par.pp) for c in range(par.virtual_pp)]
         per_unit = max(chunk_bytes(tuple(partition[s]), s == 0, s == stages - 1) for s in chunks)
         transient = max(attention, loss_transient_bytes(cfg) if stages - 1 in chunks else 0.0)
         result.append(StageMemory(rank, weights, grads, optimizer, flights[rank] * per_unit * tokens,
-                                  transient * tokens, gpu.overhead_gib * GIB, flights[rank]))
+                                  transient * tokens, gpu.overhead_gib * GIB, flights[rank], host))
     return result
 
 
