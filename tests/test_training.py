@@ -141,25 +141,43 @@ def _resume_one_step(tmp_path, root) -> int:
     return latest["step"]
 
 
-def _wait_for_a_save_in_flight(root: str, timeout: float = 60.0) -> None:
-    """Return as soon as a save's temporary folder exists under ``root``."""
+def _saves_in_flight(root: str) -> list[str]:
+    return [os.path.join(root, name) for name in os.listdir(root) if name.startswith(".tmp-step_")]
+
+
+def _kill_inside_a_save(root: str, ranks: list[int], victim: int, timeout: float = 60.0) -> None:
+    """SIGKILL rank ``victim`` while a save is in flight under ``root`` and its own data file is not written yet
+    (torch.distributed.checkpoint's ``__<rank>_*.distcp``): the save then cannot complete. Every rank is frozen
+    (SIGSTOP) from the look into the folder to the kill, so nothing moves in between; then the others go on."""
     deadline = time.monotonic() + timeout
-    while not any(name.startswith(".tmp-step_") for name in os.listdir(root)):
-        assert time.monotonic() < deadline, f"no save in flight under {root} within {timeout:g}s"
+    while True:
+        while not _saves_in_flight(root):
+            assert time.monotonic() < deadline, f"no save in flight under {root} within {timeout:g}s"
+            time.sleep(0.005)
+        for pid in ranks:
+            os.kill(pid, signal.SIGSTOP)
+        caught = any(not any(name.startswith(f"__{victim}_") for name in os.listdir(tmp))
+                     for tmp in _saves_in_flight(root))
+        if caught:
+            os.kill(ranks[victim], signal.SIGKILL)
+        for rank, pid in enumerate(ranks):
+            if rank != victim or not caught:
+                os.kill(pid, signal.SIGCONT)
+        if caught:
+            return
         time.sleep(0.005)
 
 
 def test_killed_rank_while_saving_leaves_latest_whole(tmp_path):
-    """kill -9 of one rank while background saves are in flight (one starts every step): the run fails, a save
-    was cut short (its temporary folder is left, never published), and ``latest`` names a whole checkpoint."""
+    """kill -9 of one rank inside a background save (one starts every step): the run fails, the save is cut
+    short (its temporary folder is left, never published), and ``latest`` names a whole checkpoint."""
     run = str(tmp_path / "run")
     root = os.path.join(run, "checkpoints")
     proc = start("gpt", 4, run, ["train.steps=500", "checkpoint.interval=1", "checkpoint.keep=2",
                                  "checkpoint.async_save=true", *LAYOUT_4], str(tmp_path / "log.txt"))
     try:
         wait_for_step(run, 4, proc)
-        _wait_for_a_save_in_flight(root)  # saving dominates each step at this size: the kill lands inside one
-        os.kill(worker_pids(proc.pid)[3], signal.SIGKILL)
+        _kill_inside_a_save(root, worker_pids(proc.pid), victim=3)
         status = proc.wait(timeout=120)
     finally:
         kill_group(proc)
