@@ -140,7 +140,8 @@ def worker(args) -> None:
         planner = {"params_bytes": plan.params, "grads_bytes": plan.grads, "optimizer_bytes": plan.optimizer,
                    "activations_bytes": plan.activations, "transient_bytes": plan.transient, "total_bytes": plan.total}
         planner["host_bytes"] = plan.host
-        write_json(args.json, {"zero_stage": args.zero, "recompute": args.recompute, "dp": world, "offload": args.offload,
+        write_json(args.json, {"zero_stage": args.zero, "recompute": args.recompute, "dp": world,
+                               "offload": args.offload,
                                "args": vars(args), "ranks": everyone, "planner": planner})
 
 

@@ -1,4 +1,5 @@
-"""The parallelism planner against measurements of real CPU runs and the pipeline simulator (its search: test_planner_search.py).
+"""The parallelism planner against measurements of real CPU runs and the pipeline simulator (its search and
+the published layouts: test_planner_search.py).
 
 Memory references are independent of the planner: the bytes autograd actually saves (saved-tensor hooks),
 the parameter / gradient / Adam-state tensors of a real model and optimizer, and the process's peak of

@@ -1,9 +1,10 @@
 """Domino applied to a model from outside: its forward runs per mu-chunk in Domino's order.
 
 ``apply_domino`` replaces a model chunk's forward (``models.LanguageModel``, or any model with the same
-pieces: ``layers``, ``has_embedding``/``has_head``, ``token_context``, ``embed_async`` and ``head``), as
-``torch.compile`` or FSDP's ``fully_shard`` do, with one that cuts the micro batch as the plan says and runs ``order.forward_order`` over the blocks, the
-embedding and the head included, so their all-reduces overlap the other chunks' compute as the blocks' do.
+pieces: ``layers``, ``has_embedding``/``has_head``, ``token_context``, ``embed_async`` and ``head``) from
+outside, as ``torch.compile`` or FSDP's ``fully_shard`` do, with one that cuts the micro batch as the plan
+says and runs ``order.forward_order`` over the blocks, the embedding and the head included, so their
+all-reduces overlap the other chunks' compute as the blocks' do.
 The model code itself stays single-device in shape; the gradient pieces of the column split are the
 ``LayerContext``'s (``grad_pieces``), set when the model is built.
 """

@@ -17,13 +17,14 @@ so no second, shard-sized gradient is kept.
   first writes it, reduce-scattered as soon as that pass has written all of it (or when the next pass
   begins), added into the shard and freed, on every micro-batch, as DeepSpeed's stage 2 does. At most
   ``IN_FLIGHT`` reductions run behind backward (a third waits for the oldest: on CUDA the stream waits, not
-  the host); with ``overlap_grad_reduce`` off each is waited for at once.
-  It costs a reduce-scatter per bucket and micro-batch instead of one per step. The layout is a pure function of the
-parameter list (order and shapes), the bucket size and the shard count, so ranks holding the same
-parameters (the TP ranks of one stage) agree on it. Parameters marked ``alone`` (the word embeddings
-and their tied copy on the last pipeline stage) get a bucket of their own: their shard ranges then
-depend on their shape only, and the embedding group can all-reduce matching shards across stages
-whose other parameters differ.
+  the host); with ``overlap_grad_reduce`` off each is waited for at once. It costs a reduce-scatter per
+  bucket and micro-batch instead of one per step.
+
+The layout is a pure function of the parameter list (order and shapes), the bucket size and the shard
+count, so ranks holding the same parameters (the TP ranks of one stage) agree on it. Parameters marked
+``alone`` (the word embeddings and their tied copy on the last pipeline stage) get a bucket of their own:
+their shard ranges then depend on their shape only, and the embedding group can all-reduce matching shards
+across stages whose other parameters differ.
 """
 from __future__ import annotations
 
