@@ -17,7 +17,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MARK = "FAKE-CUDA-RESULT "
 _CHILD = f"""
-import importlib, json, sys
+import importlib, json, os, sys
 from megatron_domino.rehearsal import fake_cuda
 try:
     fake_cuda.load()
@@ -26,7 +26,8 @@ except fake_cuda.FakeCudaUnavailable as reason:
     sys.exit(3)
 module, name = sys.argv[1].split(":")
 result = getattr(importlib.import_module(module), name)(*json.loads(sys.argv[2]))
-print({_MARK!r} + json.dumps(result))
+print({_MARK!r} + json.dumps(result), flush=True)
+os._exit(0)  # skip teardown: autograd's per-device threads of the fake device can abort the interpreter's exit
 """
 
 
