@@ -116,9 +116,9 @@ class SpanRecorder:
                 self.blocked(label, start, end)
                 self.sync_comms.append((label, start, end, nbytes))
                 return None
-            if isinstance(work, list):  # batch_isend_irecv: one Work per P2POp
-                timed = [_TimedWork(w, self, label, start, op.tensor.numel() * op.tensor.element_size())
-                         for w, op in zip(work, args[0])]
+            if isinstance(work, list):  # batch_isend_irecv: one Work per op on gloo, one for the group on NCCL
+                total = sum(op.tensor.numel() * op.tensor.element_size() for op in args[0])
+                timed = [_TimedWork(w, self, label, start, total // max(1, len(work))) for w in work]
                 self.works += timed
                 return timed
             timed = _TimedWork(work, self, label, start, nbytes)

@@ -220,6 +220,10 @@ def test_zero_stages_and_offload_per_weight():
         extra = buckets if stage == 2 else 0
         assert est.params + est.grads + est.optimizer == pytest.approx(device * weights + extra), (stage, offload)
         assert est.host == pytest.approx(host * weights), (stage, offload)
+    # fp32 weights are their own masters on the device; the offloaded half gets masters of its own on the host
+    fp32 = estimate_memory(_tiny(GPT, "train.global_batch_size=32", "optimizer.zero_stage=1",
+                                 "optimizer.offload=cpu", "optimizer.offload_fraction=0.5"), 4, CPU)
+    assert fp32.optimizer == pytest.approx(0.5 * 8 / 4 * weights) and fp32.host == pytest.approx(0.5 * 12 / 4 * weights)
 
 
 # ----- schedules: in-flight micro-batches and the bubble vs the simulator -----------------------------

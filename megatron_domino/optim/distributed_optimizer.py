@@ -92,7 +92,7 @@ class DistributedOptimizer:
         self.fragments: list[Fragment] = [f for buffer in self.buffers for f in buffer.fragments()]
         self.device = self.buffers[0].device if self.buffers else torch.device("cpu")
         self.offload = HostOffload(self.fragments, opt.offload_fraction if opt.offload else 0.0, self.device)
-        self.masters = [self.offload.master(i, f) if i in self.offload.chosen  # a host copy
+        self.masters = [self.offload.master(f) if i in self.offload.chosen  # a host copy
                         else f.data if f.data.dtype == torch.float32 else f.data.float()  # fp32 weights: themselves
                         for i, f in enumerate(self.fragments)]
         groups = weight_decay_groups([(m, f.param) for m, f in zip(self.masters, self.fragments)],

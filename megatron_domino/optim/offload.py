@@ -25,19 +25,21 @@ class HostOffload:
     def __init__(self, fragments: list, fraction: float, device: torch.device):
         self.device, self.pinned = device, device.type == "cuda"
         sizes = [f.end - f.start for f in fragments]
-        budget, taken, self.chosen = fraction * sum(sizes), 0, set()
+        budget, taken, chosen = fraction * sum(sizes), 0, []
         for index, size in enumerate(sizes):
             if taken >= budget:
                 break
-            self.chosen.add(index)
+            chosen.append(index)
             taken += size
-        self.host_grads = {i: torch.empty(sizes[i], dtype=torch.float32, pin_memory=self.pinned)
-                           for i in sorted(self.chosen)}
+        self.host_grads = {i: torch.empty(sizes[i], dtype=torch.float32, pin_memory=self.pinned) for i in chosen}
 
-    def master(self, index: int, fragment) -> torch.Tensor | None:
-        """The host master of fragment ``index`` (a copy of its weight), or None when it stays on the device."""
-        if index not in self.chosen:
-            return None
+    @property
+    def chosen(self):
+        """Indices of the offloaded fragments."""
+        return self.host_grads.keys()
+
+    def master(self, fragment) -> torch.Tensor:
+        """The host master of an offloaded fragment: a copy of its weight."""
         master = torch.empty(fragment.data.numel(), dtype=torch.float32, pin_memory=self.pinned)
         master.copy_(fragment.data)
         return master

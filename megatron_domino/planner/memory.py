@@ -138,7 +138,8 @@ def static_bytes(cfg: Config, params: float, dp: int, experts: float = 0.0) -> t
     opt, e = cfg.optimizer, weight_bytes(cfg)
     grad_e = 4 if opt.accumulate_grads_in_fp32 else e
     moments = 8 if opt.name == "adamw" else (4 if opt.momentum > 0 else 0)
-    grads = state = bucketed = 0.0
+    grads = state = host = bucketed = 0.0
+    offloaded = opt.offload_fraction if opt.offload else 0.0
     for count, shards in ((params - experts, dp * cfg.parallel.cp), (experts, expert_replicas(cfg, dp))):
         zero = opt.zero_stage if shards > 1 else 0  # one replica: the shard is the whole (as the optimizer does)
         full_grads = count * grad_e
@@ -146,11 +147,13 @@ def static_bytes(cfg: Config, params: float, dp: int, experts: float = 0.0) -> t
             grads += full_grads
         else:  # ZeRO-2: the shard, and full buckets only while they are written and reduced
             grads, bucketed = grads + full_grads / shards, bucketed + full_grads
-        group_state = count * ((4 if e != 4 or opt.offload else 0) + moments)  # offload: masters of their own
-        state += group_state / shards if zero >= 1 else group_state
-    host = state * opt.offload_fraction if opt.offload else 0.0  # the offloaded masters and moments
+        # per weight: a master unless the weights are fp32 (their own masters), and the moments; an offloaded
+        # weight always gets a master of its own, in host memory
+        owners = shards if zero >= 1 else 1  # ranks that share this state
+        state += (1 - offloaded) * count * ((4 if e != 4 else 0) + moments) / owners
+        host += offloaded * count * (4 + moments) / owners
     bucket = max(opt.bucket_size_mb * 2**20, largest_weight(cfg) * grad_e)  # a weight is never cut in two
-    return params * e, grads + min(bucketed, (1 + IN_FLIGHT) * bucket), state - host, host
+    return params * e, grads + min(bucketed, (1 + IN_FLIGHT) * bucket), state, host
 
 
 def largest_weight(cfg: Config) -> int:

@@ -166,7 +166,8 @@ def _passes(rule, *args) -> bool:
 def _batch_fits(cfg: Config, pp: int, v: int, batch: int, micro: int, dp: int) -> bool:
     """Whole micro batches per DP rank, as many as the schedule needs."""
     micro_batches = check_batch(Checks(), batch, micro, dp)
-    return micro_batches is not None and _passes(check_schedule, pp, v, micro_batches, cfg.parallel.pipeline_schedule)
+    return micro_batches is not None and _passes(check_schedule, pp, v, micro_batches,
+                                                 cfg.parallel.pipeline_schedule)
 
 
 def first_valid(cfg: Config, estimates: Iterable[Estimate], count: int) -> list[Estimate]:
