@@ -1,10 +1,11 @@
 """Memory per rank by category, measured, beside the planner's estimate for the same config.
 
-    python benchmarks/memory.py   # ZeRO 0/1/2 at dp = 2, 4, 8, offloaded ZeRO-1/2 at 4, recompute modes at dp = 1
+    python benchmarks/memory.py   # ZeRO 0-3 at dp = 2, 4, 8, offloaded ZeRO-1/2/3 at 4, recompute modes at dp = 1
 
 Every configuration is its own job (4 ranks under torchrun, or one bare process), so each peak RSS
 belongs to one configuration. Per rank, after a few training steps:
-  params       bytes of this rank's weights
+  params       bytes of this rank's weights held between steps (ZeRO-3: its shard, and the vectors kept whole)
+  +gathered    ZeRO-3: the most bytes of gathered layers held at once (optimizer.prefetch_depth + 1 layers)
   grads        gradient buffers and shards held all step (optimizer.memory_report's grad_bytes after a step)
   +buckets     the gradient high-water mark above that (grad_peak_bytes): ZeRO-2's full buckets while they
                are written and reduced, at most 1 + IN_FLIGHT of optimizer.bucket_size_mb each
@@ -13,8 +14,10 @@ belongs to one configuration. Per rank, after a few training steps:
                seen through torch.autograd.graph.saved_tensors_hooks
   host         masters and Adam's moments offloaded to host memory (optimizer.offload=cpu), not in optim
   B/param      device model state (weights + gradients + optimizer) per weight, measured, beside the formula
-               for bf16 weights, fp32 gradients and AdamW: 18 (ZeRO-0), 6 + 12/d (ZeRO-1), 2 + 16/d (ZeRO-2);
-               offloaded: 6 (ZeRO-1), 2 + 4/d (ZeRO-2)
+               for bf16 weights, fp32 gradients and AdamW: 18 (ZeRO-0), 6 + 12/d (ZeRO-1), 2 + 16/d (ZeRO-2),
+               18/d (ZeRO-3); offloaded: 6 (ZeRO-1), 2 + 4/d (ZeRO-2), 6/d (ZeRO-3)
+  vs plan      measured model state at its peak (params + gathered + grads + buckets + optim) over the planner's
+               (its params + grads + optim), minus 1
   peak RSS     the process's peak resident set, and its growth over the RSS before the Trainer was built
                (which adds transients, allocator slack and gloo buffers to the categories)
 The planner's columns are megatron_domino.planner.memory.estimate_stages for the same config on its "cpu"
@@ -32,8 +35,8 @@ from common import (MODEL_FLAGS, add_model_args, run_harness,
 
 MIB = 2**20
 # (zero stage, recompute, ranks = dp, optimizer offloaded to the host)
-ZERO_RUNS = [(stage, "none", dp, False) for dp in (2, 4, 8) for stage in (0, 1, 2)]
-OFFLOAD_RUNS = [(stage, "none", 4, True) for stage in (1, 2)]
+ZERO_RUNS = [(stage, "none", dp, False) for dp in (2, 4, 8) for stage in (0, 1, 2, 3)]
+OFFLOAD_RUNS = [(stage, "none", 4, True) for stage in (1, 2, 3)]
 RECOMPUTE_RUNS = [(0, mode, 1, False) for mode in ("none", "full", "selective")]
 
 
@@ -125,7 +128,8 @@ def worker(args) -> None:
             trainer.train_step()
     report = optimizer.memory_report()
     weights_are_masters = trainer.dtype == torch.float32
-    mine = {"rank": dist.get_rank(), "params_bytes": sum(p.numel() * p.element_size() for p in params),
+    mine = {"rank": dist.get_rank(), "params_bytes": report["weight_bytes"], "weights": report["params"],
+            "gathered_bytes": report["gathered_peak_bytes"],
             "grads_bytes": report["grad_bytes"], "grads_peak_bytes": report["grad_peak_bytes"],
             "optimizer_bytes": report["optimizer_state_bytes"] + (0 if weights_are_masters else report["master_bytes"])
             - report["host_bytes"], "host_bytes": report["host_bytes"],
@@ -149,8 +153,8 @@ def formula_bytes_per_param(zero: int, dp: int, offload: bool = False) -> float:
     """On the device: bf16 weights, fp32 gradients, fp32 masters and Adam's two moments
     (optim/distributed_optimizer.py); with offload, masters and moments are in host memory."""
     if offload:
-        return {1: 6.0, 2: 2 + 4 / dp}[zero]
-    return {0: 18.0, 1: 6 + 12 / dp, 2: 2 + 16 / dp}[zero if dp > 1 else 0]
+        return {1: 6.0, 2: 2 + 4 / dp, 3: 6 / dp}[zero]
+    return {0: 18.0, 1: 6 + 12 / dp, 2: 2 + 16 / dp, 3: 18 / dp}[zero if dp > 1 else 0]
 
 
 def report(runs: list[dict]) -> str:
@@ -161,19 +165,23 @@ def report(runs: list[dict]) -> str:
         p = run["planner"]
         for r in run["ranks"][:1] if a["bf16"] else run["ranks"]:
             state = r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"]
-            per_param = state / (r["params_bytes"] / 2) if a["bf16"] else float("nan")
+            per_param = state / r["weights"] if a["bf16"] else float("nan")
+            peak = state + r["gathered_bytes"] + r["grads_peak_bytes"] - r["grads_bytes"]
+            planned = p["params_bytes"] + p["grads_bytes"] + p["optimizer_bytes"]
             offload = run.get("offload", False)
             rows.append([f"zero {run['zero_stage']} dp {run['dp']} recompute {run['recompute']}"
                          + (" offload" if offload else ""), r["rank"],
-                         mib(r["params_bytes"]), mib(r["grads_bytes"]),
+                         mib(r["params_bytes"]), mib(r["gathered_bytes"]), mib(r["grads_bytes"]),
                          mib(r["grads_peak_bytes"] - r["grads_bytes"]), mib(r["optimizer_bytes"]),
                          mib(r.get("host_bytes", 0)),
                          f"{per_param:.2f} / {formula_bytes_per_param(run['zero_stage'], run['dp'], offload):.2f}",
+                         f"{peak / planned - 1:+.1%}",
                          mib(r["activations_bytes"]), mib(r["peak_rss_bytes"]),
                          mib(r["peak_rss_bytes"] - r["baseline_rss_bytes"]),
                          mib(p["params_bytes"]), mib(p["grads_bytes"]), mib(p["optimizer_bytes"]),
                          mib(p.get("host_bytes", 0)), mib(p["activations_bytes"]), mib(p["total_bytes"])])
-    headers = ["config", "rank", "params", "grads", "+buckets", "optim", "host", "B/param / formula", "act",
+    headers = ["config", "rank", "params", "+gathered", "grads", "+buckets", "optim", "host", "B/param / formula",
+               "vs plan", "act",
                "peak RSS", "RSS growth", "| plan params", "grads", "optim", "host", "act", "total"]
     return "\n".join([f"Memory per rank in MiB: GPT hidden {a['hidden']}, layers {a['layers']}, seq {a['seq']}, "
                       f"micro batch {a['micro_batch']} x {a['microbatches']} per step, buckets of {a['bucket_mb']} MB, "

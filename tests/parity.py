@@ -86,7 +86,8 @@ def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, ch
         _, norm = optimizer.step(lr)
         if norms is not None:
             norms.append(norm.item())
-    weights = full_weights(chunks, ps.tp_group)
+    with optimizer.gathered_weights():
+        weights = full_weights(chunks, ps.tp_group)
     ps.destroy()
     return losses, weights
 

@@ -100,10 +100,13 @@ def test_published_layouts_are_feasible_and_impossible_ones_are_not():
     assert evaluate(gpt175, Layout(8, 16, 1, 1, 1, "none", 1, False, True), h100, 8).fits
     assert _fits(llama70, h100, 64, tp=8, pp=2)
     assert _fits(llama70, h100, 64, tp=4, pp=4)  # NeMo's Llama-2 70B recipe (launcher conf llama2_70b.yaml)
-    assert not _fits(llama70, h100, 64, tp=1, pp=1)  # 140 GB of bf16 weights alone
-    assert not _fits(gpt175, h100, 128, tp=4, pp=1)  # 88 GB of bf16 weights alone
+    for stage in (0, 1, 2):
+        assert not _fits(llama70, h100, 64, tp=1, pp=1, zero_stage=stage)  # 140 GB of bf16 weights alone
+        assert not _fits(gpt175, h100, 128, tp=4, pp=1, zero_stage=stage)  # 88 GB of bf16 weights alone
+    # ZeRO-3 shards the weights too: 70B over 64 GPUs is 2.2 GB of weights, 20 GB of model state in all
+    assert _fits(llama70, h100, 64, tp=1, pp=1, zero_stage=3)
     # tp 8 at dp 16: 44 GB of weights + 22 GB of ZeRO-2 state (2 + 16/16 bytes per weight) + recomputed activations
-    tight = rank_layouts(gpt175, h100, nodes=16, gpus_per_node=8, only={"tp": [8], "pp": [1]})
+    tight = rank_layouts(gpt175, h100, nodes=16, gpus_per_node=8, only={"tp": [8], "pp": [1], "zero_stage": [0, 1, 2]})
     assert {(e.layout.zero_stage, e.layout.recompute) for e in tight if e.fits} == {(2, "full")}
 
 

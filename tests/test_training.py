@@ -84,12 +84,18 @@ def test_resume_is_bitwise_with_dropout(tmp_path, world, layout):
     step6 = os.path.join(base, "checkpoints", "step_00000006")
     assert sorted(f for f in os.listdir(step6) if f.endswith(".distcp")) == [f"__{r}_0.distcp" for r in range(world)]
     train("gpt", world, resumed, ["train.steps=12", f"checkpoint.load={step6}", *DROPOUT, *layout])
+    assert_bitwise_resume(base, resumed, range(7, 13))
+
+
+def assert_bitwise_resume(base: str, resumed: str, steps) -> None:
+    """The resumed run's ``steps`` have the base run's losses, and its last checkpoint the same weights and
+    optimizer state, bit for bit."""
     reference, again = losses(base), losses(resumed)
-    assert sorted(again) == list(range(7, 13))
+    assert sorted(again) == list(steps)
     for step in again:
         assert again[step] == reference[step], (step, again[step], reference[step])
     for prefix in ("model/", "optim/"):
-        whole, continued = _stored(base, 12, prefix), _stored(resumed, 12, prefix)
+        whole, continued = _stored(base, steps[-1], prefix), _stored(resumed, steps[-1], prefix)
         assert whole and sorted(whole) == sorted(continued), prefix
         for name, tensor in whole.items():
             assert torch.equal(tensor, continued[name]), (prefix, name)

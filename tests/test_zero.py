@@ -33,8 +33,9 @@ def check_parity(group, dp_rank, dp, data, ref, opt: OptimizerConfig, tol=1e-6):
         norms.append(norm)
     what = f"dp={dp} zero={opt.zero_stage} {opt.name} overlap={opt.overlap_grad_reduce}"
     ref_params, ref_norms = ref
-    for name, param in model.named_global_parameters():
-        assert_rel(param.detach(), ref_params[name], f"{what} {name}", tol)
+    with dopt.gathered_weights():
+        for name, param in model.named_global_parameters():
+            assert_rel(param.detach(), ref_params[name], f"{what} {name}", tol)
     for step, (norm, expected) in enumerate(zip(norms, ref_norms)):
         assert abs(norm - expected) <= tol * expected, f"{what} step {step}: grad norm {norm} != {expected}"
 
@@ -75,7 +76,7 @@ def check_accumulation_and_overlap(group, dp_rank, dp, data, stage, overlap=True
     assert dopt.reductions_launched == first + buckets
     if stage == 2:
         report, (buffer,) = dopt.memory_report(), dopt.buffers
-        whole = buffer.param_data.numel() * 4  # fp32 gradients of every weight: what ZeRO-1 holds
+        whole = buffer.weights.data.numel() * 4  # fp32 gradients of every weight: what ZeRO-1 holds
         largest = max(b.size for b in buffer.buckets) * 4
         assert report["grad_bytes"] == whole // dp, report  # between steps: the shard alone
         bound = whole // dp + (2 if not overlap else 2 + IN_FLIGHT) * largest  # written, and being reduced
@@ -83,10 +84,11 @@ def check_accumulation_and_overlap(group, dp_rank, dp, data, stage, overlap=True
         return report["grad_peak_bytes"] / whole
 
 
-def check_offload_is_the_same_arithmetic(group, dp_rank, dp, data):
+def check_offload_is_the_same_arithmetic(group, dp_rank, dp, data, cases=((1, 1.0), (2, 1.0), (1, 0.5))):
     """optimizer.offload=cpu (the whole shard, or half of it) steps exactly as the device does; the offloaded
-    masters are copies of their own, and the host holds their 12 bytes per weight (master + Adam's moments)."""
-    for stage, fraction in ((1, 1.0), (2, 1.0), (1, 0.5)):
+    masters are copies of their own, and the host holds their 12 bytes per weight (master + Adam's moments).
+    ``cases``: (ZeRO stage, offload fraction)."""
+    for stage, fraction in cases:
         results = []
         for offload in (None, "cpu"):
             model = new_model()
@@ -96,9 +98,10 @@ def check_offload_is_the_same_arithmetic(group, dp_rank, dp, data):
                 backward_step(model, dopt, tokens, labels, dp_rank, dp)
                 assert dopt.step(LR)[0]
             results.append((dict(model.named_global_parameters()), dopt))
-        (plain, _), (offloaded, dopt) = results
-        for name, param in offloaded.items():
-            assert torch.equal(param, plain[name]), f"zero {stage} offload {fraction}: {name}"
+        (plain, plain_opt), (offloaded, dopt) = results
+        with plain_opt.gathered_weights(), dopt.gathered_weights():
+            for name, param in offloaded.items():
+                assert torch.equal(param, plain[name]), f"zero {stage} offload {fraction}: {name}"
         chosen = [dopt.fragments[i] for i in dopt.offload.chosen]
         shard = sum(f.end - f.start for f in dopt.fragments)
         assert all(dopt.masters[i] is not dopt.fragments[i].data for i in dopt.offload.chosen)
@@ -108,14 +111,15 @@ def check_offload_is_the_same_arithmetic(group, dp_rank, dp, data):
         assert dopt.memory_report()["host_bytes"] == 12 * sum(f.end - f.start for f in chosen) + steps
 
 
-def check_fp16_overflow(group, dp_rank, dp, data):
+def check_fp16_overflow(group, dp_rank, dp, data, stage=1):
     """An inf in one rank's shard skips the step on every rank, backs the scale off, and changes nothing else."""
     model = new_model(dtype=torch.float16)
-    opt = optimizer_config(zero_stage=1, hysteresis=1, initial_loss_scale=2.0**12)
+    opt = optimizer_config(zero_stage=stage, hysteresis=1, initial_loss_scale=2.0**12)
     dopt = DistributedOptimizer([model], opt, dp_group=group, tp_rank=0, norm_groups=[], fp16=True)
     backward_step(model, dopt, *data[0], dp_rank, dp)
     assert dopt.step(LR)[0]
-    weights = {name: p.detach().clone() for name, p in model.named_global_parameters()}
+    with dopt.gathered_weights():
+        weights = {name: p.detach().clone() for name, p in model.named_global_parameters()}
     state = _optimizer_snapshot(dopt)
     backward_step(model, dopt, *data[1], dp_rank, dp)
     if dp_rank == dp - 1:
@@ -123,8 +127,9 @@ def check_fp16_overflow(group, dp_rank, dp, data):
         owned[0] = float("inf")
     assert dopt.step(LR) == (False, None)
     assert dopt.skipped_steps == 1 and dopt.loss_scale == 2.0**11
-    for name, param in model.named_global_parameters():
-        assert torch.equal(param, weights[name]), f"{name} changed in a skipped step"
+    with dopt.gathered_weights():
+        for name, param in model.named_global_parameters():
+            assert torch.equal(param, weights[name]), f"{name} changed in a skipped step"
     assert dopt.steps == 1
     for key, value in _optimizer_snapshot(dopt).items():
         assert torch.equal(value, state[key]), f"{key} changed in a skipped step"

@@ -6,7 +6,7 @@ from megatron_domino.config import ModelConfig
 from megatron_domino.config.errors import ConfigError
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.optim.distributed_optimizer import DistributedOptimizer
-from megatron_domino.optim.grad_buffer import ALIGN, plan_buckets
+from megatron_domino.optim.buckets import ALIGN, plan_buckets
 from tests.zero_setup import (CFG, LR, SEED, TOKENS, assert_rel, batches, loss_of, new_model, optimizer_config,
                                reference_optimizer)
 
@@ -41,7 +41,7 @@ def test_second_gradient_after_bucket_ready_is_an_error():
 
 def test_invalid_zero_stage_is_a_config_error():
     with pytest.raises(ConfigError, match="optimizer.zero_stage"):
-        DistributedOptimizer([new_model()], optimizer_config(zero_stage=3), dp_group=None, tp_rank=0, norm_groups=[])
+        DistributedOptimizer([new_model()], optimizer_config(zero_stage=4), dp_group=None, tp_rank=0, norm_groups=[])
 
 
 def test_two_model_chunks_step_like_one_model():

@@ -28,6 +28,7 @@ from .schema import (
     TOKENIZERS,
     WANDB_MODES,
     ZERO_STAGES,
+    MAX_PREFETCH_DEPTH,
     Config,
 )
 
@@ -183,6 +184,7 @@ def check_optimizer(c: Checks, cfg: Config) -> None:
     c.at_least("optimizer.clip_grad", o.clip_grad, 0.0)
     c.positive("optimizer.bucket_size_mb", o.bucket_size_mb)
     _check_offload(c, o)
+    _check_zero3(c, o)
     c.at_least("optimizer.warmup_steps", o.warmup_steps, 0)
     if o.decay_steps is not None:
         c.at_least("optimizer.decay_steps", o.decay_steps, 0)
@@ -210,7 +212,15 @@ def _check_offload(c: Checks, o) -> None:
                "use 1.0 to offload the whole shard, or e.g. 0.5 for half of it")
     if o.zero_stage == 0:
         c.fail("optimizer.offload", o.offload, "offloads the ZeRO shard of the optimizer state, and "
-               "optimizer.zero_stage = 0 keeps none", "set optimizer.zero_stage=1 (or 2) with optimizer.offload=cpu")
+               "optimizer.zero_stage = 0 keeps none", "set optimizer.zero_stage=1 (2 or 3) with optimizer.offload=cpu")
+
+
+def _check_zero3(c: Checks, o) -> None:
+    """ZeRO-3's prefetch window is small: each prefetched layer holds its whole weights."""
+    if not isinstance(o.prefetch_depth, int) or not 0 <= o.prefetch_depth <= MAX_PREFETCH_DEPTH:
+        c.fail("optimizer.prefetch_depth", o.prefetch_depth, f"must be an integer in [0, {MAX_PREFETCH_DEPTH}]: "
+               "each prefetched layer keeps its whole weights on the device", "use 1 (the next layer's gather in "
+               "flight while one computes) or 0 (gather on use)")
 
 
 def check_data(c: Checks, cfg: Config, check_paths: bool) -> None:

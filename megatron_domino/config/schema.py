@@ -186,7 +186,8 @@ WANDB_MODES = ("online", "offline")
 OPTIMIZERS = ("adamw", "sgd")
 FREE_SPACE = ("warn", "fail")
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
+MAX_PREFETCH_DEPTH = 4  # ZeRO-3: units gathered ahead of the one computing
 OFFLOAD_DEVICES = ("cpu",)
 
 
@@ -203,7 +204,9 @@ class OptimizerConfig:
     eps: float = 1e-8
     momentum: float = 0.9  # sgd only
     clip_grad: float = 1.0  # 0: no clipping
-    zero_stage: int = 1  # ZERO_STAGES
+    zero_stage: int = 1  # ZERO_STAGES; 3 shards the weights too (optim/weight_units.py)
+    reshard_after_forward: bool = True  # ZeRO-3: free a layer's gathered weights after its forward (FSDP2's name)
+    prefetch_depth: int = 1  # ZeRO-3: layers whose all-gather is in flight while one computes (0: gather on use)
     bucket_size_mb: float = 25.0
     overlap_grad_reduce: bool = True
     accumulate_grads_in_fp32: bool = True

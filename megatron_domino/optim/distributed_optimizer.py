@@ -24,6 +24,7 @@ is still the whole gradient: the all-to-all's backward already brought every ran
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ from .grad_buffer import Fragment, GradBuffer
 from .grad_norm import global_norm, local_squared_norm
 from .loss_scaler import found_inf_across_ranks, loss_scaler_from_config
 from .offload import HostOffload
+from .weight_hooks import shard_model_weights, sharded_weight, unit_keys
 from .param_groups import STATE_KEYS, build_inner_optimizer, master_device_types, uses_apex, weight_decay_groups
 
 
@@ -89,6 +91,7 @@ class DistributedOptimizer:
                       for name, p in chunk.named_global_parameters()}  # sharding-table rows, for the norm
         self.bucket_alone = bucket_alone
         self.buffers = self._build_buffers(model_chunks)
+        self.units = shard_model_weights(model_chunks, self.buffers, opt) if self.zero_stage == 3 else None
         self.fragments: list[Fragment] = [f for buffer in self.buffers for f in buffer.fragments()]
         self.device = self.buffers[0].device if self.buffers else torch.device("cpu")
         self.offload = HostOffload(self.fragments, opt.offload_fraction if opt.offload else 0.0, self.device)
@@ -107,21 +110,23 @@ class DistributedOptimizer:
         self.steps = 0
 
     def _build_buffers(self, model_chunks) -> list[GradBuffer]:
-        """One buffer per (chunk, weight dtype, expert or not), parameters in reverse registration (~ backward)
-        order."""
-        buffers = []
+        """One buffer per (chunk, weight dtype, expert or not, weights sharded or not), parameters in reverse
+        registration (~ backward) order."""
+        buffers, units = [], unit_keys(model_chunks)
         for chunk in model_chunks:
-            by_kind: dict[tuple[torch.dtype, bool], list] = {}
+            by_kind: dict[tuple[torch.dtype, bool, bool], list] = {}
             for param in chunk.parameters():
                 if param.requires_grad:
-                    by_kind.setdefault((param.dtype, self.infos[id(param)].expert), []).append(param)
-            for (dtype, expert), params in by_kind.items():
+                    sharded = self.zero_stage == 3 and sharded_weight(param)  # ZeRO-3 keeps vectors whole
+                    by_kind.setdefault((param.dtype, self.infos[id(param)].expert, sharded), []).append(param)
+            for (dtype, expert, sharded), params in by_kind.items():
                 grad_dtype = torch.float32 if self.opt.accumulate_grads_in_fp32 else dtype
                 bucket_elems = max(1, int(self.opt.bucket_size_mb * 2**20) // grad_dtype.itemsize)
                 group = self.expert_dp_group if expert else self.dp_group
                 buffers.append(GradBuffer(params[::-1], grad_dtype, bucket_elems, group,
-                                          shard=self.zero_stage >= 1, release=self.zero_stage == 2,
-                                          alone=lambda p: self.names.get(id(p)) in self.bucket_alone))
+                                          shard=self.zero_stage >= 1, release=self.zero_stage >= 2,
+                                          alone=lambda p: self.names.get(id(p)) in self.bucket_alone,
+                                          shard_weights=sharded, unit_of=lambda p: units.get(id(p))))
         return buffers
 
     # ----- the step's brackets ---------------------------------------------------------------------
@@ -176,6 +181,8 @@ class DistributedOptimizer:
         given, sees the global norm and this rank's share of it before anything changes; False drops
         the update (the trainer's bad-step guard; it must answer alike on every rank).
         """
+        if self.units is not None:  # backward is over and the weights are about to change
+            self.units.release_all()
         reduced = [piece for buffer in self.buffers for piece in buffer.reduced()]
         if self.fp16:
             found_inf = self._found_inf(reduced)
@@ -191,7 +198,7 @@ class DistributedOptimizer:
         if self.optimizer is not None:
             self._update(lr)
         for buffer in self.buffers:
-            buffer.gather_params()
+            buffer.after_step()
         self.steps += 1
         return True, norm
 
@@ -229,6 +236,30 @@ class DistributedOptimizer:
         self.offload.weights_to_device(self.fragments, self.masters)
         for master in self.masters:
             master.grad = None
+
+    @torch.no_grad()
+    def weights_loaded(self) -> None:
+        """The weights were loaded without optimizer state (a converted checkpoint): the masters start from
+        them, and no gathered copy of the old ones survives."""
+        for master, fragment in zip(self.masters, self.fragments):
+            if master is not fragment.data:
+                master.copy_(fragment.data)
+        if self.units is not None:
+            self.units.release_all()
+
+    def gathered_weights(self):
+        """A context within which every weight is whole (ZeRO-3 gathers them all; the other stages hold them
+        anyway): to read a live model's weights. Collective over the gradient groups."""
+        return self.units.all_gathered() if self.units is not None else contextlib.nullcontext()
+
+    def sharded_weights(self) -> dict[int, list[Fragment]]:
+        """ZeRO-3: id of every weight that exists only as shards -> this rank's fragments of it (none where other
+        ranks hold all of it): a checkpoint reads and writes the model's weights there."""
+        found = {id(p): [] for buffer in self.buffers if buffer.weights.sharded for p in buffer.params}
+        for fragment in self.fragments:
+            if id(fragment.param) in found:
+                found[id(fragment.param)].append(fragment)
+        return found
 
     # ----- what a checkpoint needs (optim/sharded_state.py places it in layout-free full tensors) ---------
     def owned_fragments(self) -> list[OwnedFragment]:
@@ -268,7 +299,9 @@ class DistributedOptimizer:
     def memory_report(self) -> dict:
         """Bytes held on this rank. ``master_bytes`` counts fp32 masters even where they are the fp32
         weights themselves; ``params`` is the number of weight elements on this rank; ``host_bytes``, the part
-        of masters and optimizer state offloaded to host memory (``optimizer.offload``)."""
+        of masters and optimizer state offloaded to host memory (``optimizer.offload``); ``weight_bytes``, the
+        weights held now (ZeRO-3: the shard and whatever layers are gathered); ``gathered_peak_bytes``, the most
+        ZeRO-3 held in gathered layers at once."""
         states = self.optimizer.state.values() if self.optimizer is not None else []
         return {
             "params": sum(p.numel() for buffer in self.buffers for p in buffer.params),
@@ -278,4 +311,6 @@ class DistributedOptimizer:
             "grad_bytes": sum(buffer.grad_bytes() for buffer in self.buffers),
             "grad_peak_bytes": sum(buffer.peak_grad_bytes() for buffer in self.buffers),
             "host_bytes": self.offload.host_bytes(self.masters, self.optimizer.state if self.optimizer else {}),
+            "weight_bytes": sum(buffer.weights.resident_bytes() for buffer in self.buffers),
+            "gathered_peak_bytes": self.units.peak_bytes if self.units is not None else 0,
         }

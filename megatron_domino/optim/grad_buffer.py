@@ -4,13 +4,11 @@ Why contiguous: a bucket is then one tensor, reduced by one collective and zeroe
 each parameter's ``.main_grad`` is a view into it. Parameters are laid out in reverse registration
 order, which approximates the order backward produces their gradients: the last layers' bucket fills
 first and starts reducing while earlier layers still compute. The weights themselves are moved into
-a parameter buffer with the same layout, so ZeRO's all-gather writes updated shards straight into
-the model.
+storage with the same layout (``weight_store``), so ZeRO's all-gathers move them bucket by bucket.
 
-Sharding (ZeRO-1/2): every bucket is padded to a multiple of ``shards * ALIGN`` elements and cut into
-``shards`` equal, aligned pieces; DP rank r owns piece r. The reduce-scatter runs in place: its output is
-the rank's own piece of its input (NCCL's in-place rule, recvbuff = sendbuff + rank * count; gloo copies),
-so no second, shard-sized gradient is kept.
+Sharding (ZeRO-1/2/3): buckets (``buckets``) are cut into ``shards`` equal pieces; DP rank r owns piece r of
+each. The reduce-scatter runs in place: its output is the rank's own piece of its input (NCCL's in-place rule,
+recvbuff = sendbuff + rank * count; gloo copies), so no second, shard-sized gradient is kept.
 - ZeRO-1 keeps the full gradient buffer all step (6 + 12/d bytes per bf16 weight with fp32 gradients and
   Adam), accumulates every micro-batch into it, and reduce-scatters each bucket once, in the last backward.
 - ZeRO-2 keeps only the reduced shard (2 + 16/d): a bucket's full gradient is allocated when a backward pass
@@ -19,125 +17,41 @@ so no second, shard-sized gradient is kept.
   ``IN_FLIGHT`` reductions run behind backward (a third waits for the oldest: on CUDA the stream waits, not
   the host); with ``overlap_grad_reduce`` off each is waited for at once. It costs a reduce-scatter per
   bucket and micro-batch instead of one per step.
-
-The layout is a pure function of the parameter list (order and shapes), the bucket size and the shard
-count, so ranks holding the same parameters (the TP ranks of one stage) agree on it. Parameters marked
-``alone`` (the word embeddings and their tied copy on the last pipeline stage) get a bucket of their own:
-their shard ranges then depend on their shape only, and the embedding group can all-reduce matching shards
-across stages whose other parameters differ.
+- ZeRO-3 reduces gradients as ZeRO-2 does and keeps only its piece of the weights too
+  (``weight_store.ShardedWeights``; ``weight_units`` gathers them layer by layer).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from ..parallel.comm import all_gather_flat, reduce_scatter_flat
+from ..parallel.comm import reduce_scatter_flat
+from .buckets import Bucket, Fragment, plan_buckets
+from .weight_store import ReplicatedWeights, ShardedWeights
 
-ALIGN = 128  # elements: shard boundaries land on 256-byte (bf16) / 512-byte (fp32) multiples
-IN_FLIGHT = 2  # ZeRO-2: full buckets whose reduction may still run while backward goes on
-
-
-@dataclass
-class BucketLayout:
-    params: list  # in backward order
-    offsets: list[int]  # element offset of each parameter inside the bucket
-    size: int  # padded number of elements
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return multiple * -(-value // multiple)
-
-
-def plan_buckets(params: list, bucket_elems: int, shards: int,
-                 alone: Callable[[torch.Tensor], bool] = lambda p: False) -> list[BucketLayout]:
-    """Consecutive parameters fill a bucket until it holds at least ``bucket_elems`` elements."""
-    layouts: list[BucketLayout] = []
-    members, offsets, filled = [], [], 0
-
-    def close():
-        nonlocal members, offsets, filled
-        if members:
-            layouts.append(BucketLayout(members, offsets, _round_up(filled, shards * ALIGN)))
-        members, offsets, filled = [], [], 0
-
-    for param in params:
-        single = alone(param)
-        if single:
-            close()
-        members.append(param)
-        offsets.append(filled)
-        filled += param.numel()
-        if single or filled >= bucket_elems:
-            close()
-    close()
-    return layouts
-
-
-@dataclass
-class Fragment:
-    """The part of one parameter that this rank steps: elements [start, end) of the flattened parameter."""
-
-    param: torch.Tensor
-    bucket: "Bucket"
-    start: int
-    end: int
-    shard_offset: int  # where the fragment begins inside the bucket's shard
-    grad: torch.Tensor  # 1-D view of the DP-reduced gradient
-    data: torch.Tensor  # 1-D view of the model weight (parameter dtype)
-
-
-class Bucket:
-    """One reduction unit: its full-size gradient (``grad``) and this rank's reduced piece (``reduced``)."""
-
-    def __init__(self, layout: BucketLayout, start: int, shards: int, shard_index: int):
-        self.params, self.offsets, self.size = layout.params, layout.offsets, layout.size
-        self.start = start  # offset of the bucket inside its buffer
-        self.shard_size = self.size // shards
-        self.shard_start = shard_index * self.shard_size  # inside the bucket
-        self.grad: torch.Tensor | None = None
-        self.reduced: torch.Tensor | None = None
-        self.work = None
-        self.ready: set[int] = set()  # ids of parameters whose gradient of this pass has arrived
-
-    def attach(self, grad: torch.Tensor) -> None:
-        self.grad = grad
-        for param, offset in zip(self.params, self.offsets):
-            param.main_grad = grad[offset:offset + param.numel()].view_as(param)
-
-    def own_piece(self) -> torch.Tensor:
-        """This rank's piece of the full gradient: where the in-place reduce-scatter leaves the sum."""
-        return self.grad[self.shard_start:self.shard_start + self.shard_size]
-
-    def release(self) -> None:
-        self.grad = None
-        for param in self.params:
-            param.main_grad = None
-
-    @property
-    def complete(self) -> bool:
-        return len(self.ready) == len(self.params)
+IN_FLIGHT = 2  # ZeRO-2/3: full gradient buckets whose reduction may still run while backward goes on
 
 
 class GradBuffer:
     """The parameters of one model chunk and dtype: their weights, gradients, buckets and DP reductions.
 
-    ``shard``: reduce-scatter (ZeRO-1/2) instead of all-reduce. ``release``: ZeRO-2 (see the module docstring).
+    ``shard``: reduce-scatter (ZeRO-1/2/3) instead of all-reduce. ``release``: ZeRO-2/3 gradients (see the module
+    docstring). ``shard_weights``: ZeRO-3 weights, in buckets that never span two ``unit_of`` values.
     """
 
     def __init__(self, params: list, grad_dtype: torch.dtype, bucket_elems: int, group, *, shard: bool,
-                 release: bool, alone: Callable[[torch.Tensor], bool] = lambda p: False):
+                 release: bool, alone: Callable[[torch.Tensor], bool] = lambda p: False,
+                 shard_weights: bool = False, unit_of: Callable[[torch.Tensor], object] = lambda p: None):
         size = dist.get_world_size(group) if group is not None else 1
         shard = shard and size > 1  # one replica (an expert's, when ep = dp): nothing to shard, nothing to release
         self.group, self.grad_dtype, self.release = group, grad_dtype, release and shard
         self.shards = size if shard else 1
         self.rank = dist.get_rank(group) if shard else 0
         self.device = params[0].device
-        layouts = plan_buckets(params, bucket_elems, self.shards, alone)
+        layouts = plan_buckets(params, bucket_elems, self.shards, alone, unit_of if shard_weights else lambda p: None)
         total = sum(layout.size for layout in layouts)
-        self.param_data = torch.zeros(total, dtype=params[0].dtype, device=self.device)
         self.grad_data = None if self.release else torch.zeros(total, dtype=grad_dtype, device=self.device)
         self.shard_data = (torch.zeros(total // self.shards, dtype=grad_dtype, device=self.device)
                            if self.release else None)  # ZeRO-2: the reduced shards, summed over micro-batches
@@ -146,7 +60,7 @@ class GradBuffer:
         start = 0
         for layout in layouts:
             bucket = Bucket(layout, start, self.shards, self.rank)
-            self._adopt_weights(bucket)
+            self.bucket_of.update((id(param), bucket) for param in bucket.params)
             if self.release:
                 begin = start // self.shards
                 bucket.reduced = self.shard_data[begin:begin + bucket.shard_size]
@@ -155,19 +69,13 @@ class GradBuffer:
                 bucket.reduced = bucket.own_piece()
             self.buckets.append(bucket)
             start += bucket.size
+        store = ShardedWeights if shard_weights and self.shards > 1 else ReplicatedWeights
+        self.weights = store(self.buckets, params[0].dtype, self.device, self.group, self.shards)
         self.params = [p for b in self.buckets for p in b.params]
         self._next = 0  # next bucket to launch in this pass: launches follow bucket order on every rank
         self._flying: list[Bucket] = []  # launched, not yet finished, oldest first
         self.launches = 0
         self.peak_grad_elements = self._held_elements()
-
-    def _adopt_weights(self, bucket: Bucket) -> None:
-        """Make each weight a view of the parameter buffer (same values, new storage)."""
-        for param, offset in zip(bucket.params, bucket.offsets):
-            view = self.param_data[bucket.start + offset:bucket.start + offset + param.numel()].view_as(param)
-            view.copy_(param.data)
-            param.data = view
-            self.bucket_of[id(param)] = bucket
 
     def fragments(self) -> list[Fragment]:
         """The pieces of parameters inside this rank's shard of each bucket (all of them without sharding)."""
@@ -178,7 +86,7 @@ class GradBuffer:
                 begin, end = max(offset, lo), min(offset + param.numel(), hi)
                 if begin >= end:
                     continue
-                data = self.param_data[bucket.start + begin:bucket.start + end]
+                data = self.weights.own(bucket)[begin - lo:end - lo]
                 found.append(Fragment(param, bucket, begin - offset, end - offset, begin - lo,
                                       bucket.reduced[begin - lo:end - lo], data))
         return found
@@ -275,18 +183,9 @@ class GradBuffer:
             if data is not None:
                 data.zero_()
 
-    # ----- weights -------------------------------------------------------------------------------
-    def gather_params(self) -> None:
-        """ZeRO-1/2: every rank receives every other rank's updated shard (a no-op without sharding)."""
-        if self.shards == 1:
-            return
-        works = []
-        for bucket in self.buckets:
-            full = self.param_data[bucket.start:bucket.start + bucket.size]
-            mine = full[bucket.shard_start:bucket.shard_start + bucket.shard_size].clone()  # input may not alias
-            works.append(all_gather_flat(full, mine, group=self.group, async_op=True))
-        for work in works:
-            work.wait()
+    def after_step(self) -> None:
+        """The updated weights where the next forward reads them (``weight_store``)."""
+        self.weights.after_step()
 
     def _held_elements(self) -> int:
         if not self.release:

@@ -11,7 +11,10 @@ Static state, per parameter held by the rank (its TP shard of its pipeline chunk
   with any number of micro-batches;
 - optimizer: fp32 master (4 B, only for 16-bit weights) + Adam's two moments (8 B; SGD momentum 4 B),
   divided by dp*cp under ZeRO >= 1; with ``optimizer.offload`` the ``offload_fraction`` of it is in host
-  memory, not on the device.
+  memory, not on the device;
+- ZeRO-3 divides the weights by dp*cp as well (vectors, a fraction of a percent, counted as sharded) and
+  adds the gathered layers: 1 + ``prefetch_depth`` units (the largest block, or the word embedding) at once,
+  or every unit of the stage when ``reshard_after_forward`` is off (``optim.weight_units``).
 Mixture of experts: a rank holds its ep share of the experts, whose ZeRO shards span dp*cp/ep ranks (``moe.py``).
 
 Activations per token: ``planner/activations.py``, tensor by tensor for this code.
@@ -138,7 +141,7 @@ def static_bytes(cfg: Config, params: float, dp: int, experts: float = 0.0) -> t
     opt, e = cfg.optimizer, weight_bytes(cfg)
     grad_e = 4 if opt.accumulate_grads_in_fp32 else e
     moments = 8 if opt.name == "adamw" else (4 if opt.momentum > 0 else 0)
-    grads = state = host = bucketed = 0.0
+    grads = state = host = bucketed = weights = 0.0
     offloaded = opt.offload_fraction if opt.offload else 0.0
     for count, shards in ((params - experts, dp * cfg.parallel.cp), (experts, expert_replicas(cfg, dp))):
         zero = opt.zero_stage if shards > 1 else 0  # one replica: the shard is the whole (as the optimizer does)
@@ -152,8 +155,11 @@ def static_bytes(cfg: Config, params: float, dp: int, experts: float = 0.0) -> t
         owners = shards if zero >= 1 else 1  # ranks that share this state
         state += (1 - offloaded) * count * ((4 if e != 4 else 0) + moments) / owners
         host += offloaded * count * (4 + moments) / owners
+        weights += count * e / (shards if zero == 3 else 1)
+    if opt.zero_stage == 3 and dp * cfg.parallel.cp > 1:  # the gathered window (the whole stage without resharding)
+        weights += params * e if not opt.reshard_after_forward else (1 + opt.prefetch_depth) * largest_unit(cfg) * e
     bucket = max(opt.bucket_size_mb * 2**20, largest_weight(cfg) * grad_e)  # a weight is never cut in two
-    return params * e, grads + min(bucketed, (1 + IN_FLIGHT) * bucket), state, host
+    return weights, grads + min(bucketed, (1 + IN_FLIGHT) * bucket), state, host
 
 
 def largest_weight(cfg: Config) -> int:
@@ -163,6 +169,15 @@ def largest_weight(cfg: Config) -> int:
     parts = 2 if m.activation == "swiglu" else 1
     widest_ffn = max(m.ffn_size, m.moe_ffn_size if m.num_experts else 0)
     return max(m.padded_vocab_size(tp) // tp * m.hidden_size, m.hidden_size * parts * widest_ffn // tp)
+
+
+@per_model_layout
+def largest_unit(cfg: Config) -> float:
+    """Elements of the largest ZeRO-3 gather unit on a rank: one block (its dense and expert weights) or the
+    word embedding."""
+    m, par = cfg.model, cfg.parallel
+    blocks = (sum(layer_parameters(m, i, par.tp, par.ep, whole_experts(par))) for i in range(m.num_layers))
+    return max(max(blocks, default=0.0), m.padded_vocab_size(par.tp) // par.tp * m.hidden_size)
 
 
 def in_flight(cfg: Config, dp: int) -> list[int]:

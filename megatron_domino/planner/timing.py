@@ -46,8 +46,12 @@ Data parallelism. Once per step: all-reduce of the gradients (ZeRO-0), or reduce
 gradients then all-gather of the updated weights (ZeRO-1/2), over the dp x cp group and its link (expert
 parameters: over their dp*cp/ep replicas, every ep-th dp rank, and that group's link). With
 ``optimizer.overlap_grad_reduce`` the gradient reduction overlaps the last micro-batch's backward
-(at most its length); the weight all-gather follows the optimizer step and is exposed. The optimizer
-step itself (memory bound) is not counted.
+(at most its length); the weight all-gather follows the optimizer step and is exposed. ZeRO-2 and 3
+reduce-scatter in every micro-batch's backward instead. ZeRO-3 gathers no weights after the step but
+all-gathers each layer's in every micro-batch: once in forward and once in backward (``reshard_after_forward``;
+ZB-H1's W gathers a third time), while the previous layer computes (``prefetch_depth`` >= 1): only what
+exceeds the micro-batch's compute, and the first layer's gather, are exposed; without prefetch all of it.
+The optimizer step itself (memory bound) is not counted.
 """
 from __future__ import annotations
 
@@ -198,7 +202,8 @@ def estimate_step_time(cfg: Config, dp: int, gpu: GPU, gpus_per_node: int,
 
     # context-parallel ranks reduce their gradients with the data-parallel ones; experts with their replicas only
     dense, experts = max(rank_parameter_split(cfg), key=sum)
-    reduce = gather = 0.0
+    reduce = gather = layer_gathers = 0.0
+    zero3 = cfg.optimizer.zero_stage == 3
     for params, replicas, spans in ((dense, dp * par.cp, ("dp", "cp")),
                                     (experts, expert_replicas(cfg, dp), ("expert_dp",))):
         if replicas == 1 or params == 0:
@@ -209,15 +214,31 @@ def estimate_step_time(cfg: Config, dp: int, gpu: GPU, gpus_per_node: int,
             reduce += grads
         else:
             reduce += grads / 2
-            gather += _all_reduce(params * e, replicas, bandwidth) / 2
-    # ZeRO-2 reduce-scatters in every micro-batch's backward (it keeps no whole gradient), the others once a step
-    passes = m if cfg.optimizer.zero_stage == 2 else 1
+            if zero3:
+                layer_gathers += _all_reduce(params * e, replicas, bandwidth) / 2
+            else:
+                gather += _all_reduce(params * e, replicas, bandwidth) / 2
+    # ZeRO-2/3 reduce-scatter in every micro-batch's backward (they keep no whole gradient), the others once a step
+    passes = m if cfg.optimizer.zero_stage >= 2 else 1
     overlap = min(reduce, compute_mb * 2 / 3) if cfg.optimizer.overlap_grad_reduce else 0.0
+    if layer_gathers:
+        gather += m * _exposed_layer_gathers(cfg, layer_gathers, compute_mb, len(_rank_layers(cfg, slowest)))
 
     return StepTime(compute=m * compute_mb, bubble=(par.pp - 1) / par.virtual_pp * per_microbatch,
                     tp_exposed=m * (1 - hidden) * tp_mb, tp_hidden=m * hidden * tp_mb,
                     cp_exposed=m * cp_exposed, cp_hidden=m * cp_hidden, pp_comm=m * pp_mb,
                     ep_exposed=m * ep_mb, dp_exposed=passes * (reduce - overlap) + gather)
+
+
+def _exposed_layer_gathers(cfg: Config, once: float, compute_mb: float, layers: int) -> float:
+    """ZeRO-3's exposed weight all-gather seconds per micro-batch, ``once`` being one gather of every weight of
+    the rank (see the module docstring)."""
+    opt = cfg.optimizer
+    passes = (2 if opt.reshard_after_forward else 1) + (cfg.parallel.pipeline_schedule == "zb-h1")
+    if opt.prefetch_depth == 0:
+        return passes * once
+    first = once / (layers + 2)  # the first unit of each pass (blocks, embedding and head)
+    return max(0.0, passes * once - compute_mb) + passes * first
 
 
 def model_flops_per_step(cfg: Config) -> float:

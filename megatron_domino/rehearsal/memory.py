@@ -69,5 +69,20 @@ class AllocationAccounting:
         self.claim([tensor], "activations")
         return tensor
 
+    def resized(self, tensor: torch.Tensor, category: str) -> None:
+        """``tensor``'s storage was resized in place (ZeRO-3 allocates and frees a layer's gathered weights this
+        way, ``optim.weight_store``): count its new size, as ``category``."""
+        self.track([tensor])
+        entry = self._live.get(tensor.untyped_storage()._cdata)
+        if entry is None:
+            return
+        size = tensor.untyped_storage().nbytes()
+        self.by_category[entry[1]] -= entry[0]
+        self.live_bytes += size - entry[0]
+        entry[:] = [size, category]
+        self.by_category[category] += size
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes, self.peak_by_category = self.live_bytes, dict(self.by_category)
+
     def reset_peak(self) -> None:
         self.peak_bytes, self.peak_by_category = self.live_bytes, dict(self.by_category)

@@ -16,6 +16,7 @@ every rank the same in-flight peak as the config's m, taken from the schedule it
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..config.loader import load_config
+from ..optim.weight_store import ShardedWeights
 from ..parallel import device
 from ..parallel.topology import Topology
 from ..pipeline.program import max_in_flight
@@ -106,10 +108,32 @@ def _claim_state(memory: AllocationAccounting, trainer) -> None:
              for t in [buffer.grad_data, buffer.shard_data] + [bucket.grad for bucket in buffer.buckets]]
     states = [t for state in (optimizer.optimizer.state.values() if optimizer.optimizer is not None else [])
               for t in state.values() if torch.is_tensor(t)]
-    memory.claim(params, "parameters", force=True)
+    memory.claim(params + [buffer.weights.shard for buffer in optimizer.buffers if buffer.weights.sharded],
+                 "parameters", force=True)
     memory.claim(grads, "gradients", force=True)
     memory.claim([m for m, f in zip(optimizer.masters, optimizer.fragments) if m is not f.data] + states,
                  "optimizer", force=True)
+
+
+@contextlib.contextmanager
+def _weights_resized(memory: AllocationAccounting):
+    """ZeRO-3's gathers and releases resize storages in place, which no allocation shows: count them."""
+    gather, release = ShardedWeights.gather, ShardedWeights.release
+
+    def counted_gather(store, bucket, async_op):
+        work = gather(store, bucket, async_op)
+        memory.resized(store.full(bucket), "parameters")
+        return work
+
+    def counted_release(store, bucket):
+        release(store, bucket)
+        memory.resized(store.full(bucket), "parameters")
+
+    ShardedWeights.gather, ShardedWeights.release = counted_gather, counted_release
+    try:
+        yield
+    finally:
+        ShardedWeights.gather, ShardedWeights.release = gather, release
 
 
 def _step(trainer, preemption, memory) -> None:
@@ -133,7 +157,8 @@ def rehearse_rank(cfg, world_size: int, rank: int, gpu: str = "h100-80gb", job=N
     dist.init_process_group("fake", store=store, rank=rank, world_size=world_size)
     start = time.perf_counter()
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), RehearsalMode(memory, syncs, collectives), CudaKernels():
+        with FakeTensorMode(allow_non_fake_inputs=True), RehearsalMode(memory, syncs, collectives), CudaKernels(), \
+                _weights_resized(memory):
             trainer = Trainer(cfg, writes_checkpoints=False, print_rank_map=False)
             try:
                 collectives.name_groups(trainer.state)

@@ -44,13 +44,26 @@ def load_phase(cfg, barriers) -> Phase:
     return Phase("checkpoint load", cfg.checkpoint.load_timeout_s, "checkpoint.load_timeout_s", barriers)
 
 
-def model_state(chunks, tp_rank: int) -> dict[str, tensors.Stored]:
-    """'model/<name>' -> this rank's slices of the weights (views), for ``tensors.write``."""
-    state = {}
+def _weight_regions(param, info, tp_rank: int, shards: dict) -> list:
+    """The rectangles of ``param``'s full tensor this rank holds: its TP slice, or under ZeRO-3 (``shards``: id
+    of a parameter -> its fragments) only the fragments of its shard."""
+    if id(param) not in shards:
+        return regions(param.detach(), info, tp_rank)
+    return [region for f in shards[id(param)] for region in regions(param, info, tp_rank, f.start, f.end, flat=f.data)]
+
+
+def _shards(optimizer) -> dict:
+    return optimizer.sharded_weights() if optimizer is not None else {}
+
+
+def model_state(chunks, tp_rank: int, optimizer=None) -> dict[str, tensors.Stored]:
+    """'model/<name>' -> this rank's slices of the weights (views), for ``tensors.write``; with ZeRO-3 (the
+    ``optimizer``'s sharded weights) only its shard of them."""
+    state, shards = {}, _shards(optimizer)
     for chunk in chunks:
         for name, param, info in saved_parameters(chunk):
             state[f"model/{name}"] = tensors.Stored(stored_shape(param.shape, info), param.dtype,
-                                                    tensors.pieces_of(regions(param.detach(), info, tp_rank)))
+                                                    tensors.pieces_of(_weight_regions(param, info, tp_rank, shards)))
     return state
 
 
@@ -104,7 +117,7 @@ class Checkpointer:
         rng_path = os.path.join(tmp, fmt.rng_file(self.state.rank))
         torch.save(self.rng.capture(), rng_path)
         fsync_file(rng_path)
-        content = {**model_state(chunks, self.state.tp_rank), **optimizer_state(optimizer)}
+        content = {**model_state(chunks, self.state.tp_rank, optimizer), **optimizer_state(optimizer)}
         meta = fmt.metadata(step, config_to_dict(self.cfg), self._layout(), consumed_samples=consumed_samples,
                             lr_schedule=lr_schedule.state_dict(), optimizer=checkpoint_meta(optimizer))
         if self.cfg.checkpoint.async_save:
@@ -161,7 +174,7 @@ class Checkpointer:
         metadata = fmt.read_metadata(path)
         fmt.check_compatible(metadata, self.cfg.model)
         fmt.check_files(path)
-        wanted = model_targets(chunks, self.state.tp_rank)
+        wanted = model_targets(chunks, self.state.tp_rank, optimizer)
         optimizer_load = None
         if metadata.get("has_optimizer") and optimizer is not None:
             optimizer_load = ShardedStateLoad(optimizer, metadata["optimizer"])
@@ -171,6 +184,8 @@ class Checkpointer:
         if optimizer_load is not None:
             optimizer_load.apply()
             lr_schedule.load_state_dict(metadata["lr_schedule"])
+        elif optimizer is not None:
+            optimizer.weights_loaded()
         rng_file = os.path.join(path, fmt.rng_file(self.state.rank))
         if fmt.saved_layout(metadata) == self._layout() and os.path.exists(rng_file):
             self.rng.restore(torch.load(rng_file, weights_only=True))
@@ -179,16 +194,18 @@ class Checkpointer:
 
 
 @torch.no_grad()
-def model_targets(chunks, tp_rank: int) -> dict[str, list[tensors.Piece]]:
-    """'model/<name>' -> the pieces of every parameter of these chunks (a tied copy reads its original).
-    Vocabulary padding is zeroed: it is not stored."""
+def model_targets(chunks, tp_rank: int, optimizer=None) -> dict[str, list[tensors.Piece]]:
+    """'model/<name>' -> the pieces of every parameter of these chunks (a tied copy reads its original); with
+    ZeRO-3 only this rank's shard of them. Vocabulary padding is zeroed: it is not stored."""
     wanted: dict[str, list[tensors.Piece]] = {}
+    shards = _shards(optimizer)
     for chunk in chunks:
         table = chunk.sharding()
         for name, param in chunk.named_global_parameters():
             info = table[name]
             if info.vocab_rows is not None:
-                param.zero_()
+                for target in [f.data for f in shards[id(param)]] if id(param) in shards else [param.data]:
+                    target.zero_()
             wanted.setdefault(f"model/{info.tied_to or name}", []).extend(
-                tensors.pieces_of(regions(param.data, info, tp_rank)))
+                tensors.pieces_of(_weight_regions(param, info, tp_rank, shards)))
     return wanted
