@@ -66,6 +66,22 @@ def test_small_world_prints_every_rank_and_memory_in_mib(no_collectives):
     assert "MiB -> fits" in text
 
 
+def test_zero3_and_offload_are_printed_and_shrink_the_estimate(no_collectives):
+    """ZeRO-3's gathers and the offloaded share are said; sharding the weights lowers the memory estimate."""
+    path = os.path.join(ROOT, "configs/tiny/llama.yaml")
+
+    def memory(text):
+        return float(re.search(r"worst pipeline rank 0: .* = ([0-9.]+) MiB", text).group(1))
+    zero1 = dry_run(load_config(path, ["parallel.dp=8"]), 8, gpu="cpu")
+    zero3 = dry_run(load_config(path, ["parallel.dp=8", "optimizer.zero_stage=3", "optimizer.offload=cpu",
+                                       "optimizer.offload_fraction=0.5"]), 8, gpu="cpu")
+    assert "ZeRO-1 over 8 replicas (dp x cp): optimizer state sharded" in zero1
+    assert ("ZeRO-3 over 8 replicas (dp x cp): optimizer state, gradients and weights sharded; each layer all-gathered "
+            "before use with 1 layer(s) prefetched, released after its forward and gathered again for its backward; "
+            "50% of the optimizer shard offloaded to cpu memory") in zero3
+    assert memory(zero3) < memory(zero1)
+
+
 def test_context_parallel_rings_and_gradient_groups(no_collectives):
     """tp 2 x cp 2 x dp 2 on two 4-GPU nodes, order tp-cp-dp-pp: rank = tp + 2 * cp + 4 * dp."""
     cfg = load_config(os.path.join(ROOT, "configs/tiny/llama.yaml"), ["parallel.tp=2", "parallel.cp=2"])

@@ -75,6 +75,23 @@ def _schedule(cfg: Config, dp: int, flights: list[int]) -> str:
             f"rank 0, {flights[-1]} on the last")
 
 
+_SHARDED = {0: "nothing sharded (gradients all-reduced)", 1: "optimizer state sharded",
+            2: "optimizer state and gradients sharded", 3: "optimizer state, gradients and weights sharded"}
+
+
+def _data_parallel(cfg: Config, dp: int) -> str:
+    """What ZeRO shards over how many replicas, how ZeRO-3 gathers, and what is offloaded."""
+    opt, replicas = cfg.optimizer, dp * cfg.parallel.cp
+    line = f"ZeRO-{opt.zero_stage} over {replicas} replicas (dp x cp): {_SHARDED[opt.zero_stage]}"
+    if opt.zero_stage == 3:
+        line += (f"; each layer all-gathered before use with {opt.prefetch_depth} layer(s) prefetched, "
+                 + ("released after its forward and gathered again for its backward" if opt.reshard_after_forward
+                    else "kept gathered from forward to backward"))
+    if opt.offload:
+        line += f"; {opt.offload_fraction:.0%} of the optimizer shard offloaded to {opt.offload} memory"
+    return line
+
+
 def dry_run(cfg: Config, world_size: int, gpus_per_node: int = 8, gpu: str = "h100-80gb") -> str:
     """The dry-run report for ``cfg`` on ``world_size`` ranks; raises ``ConfigError`` for an invalid config."""
     notes = validate_config(cfg, world_size=world_size, check_paths=False)
@@ -88,6 +105,7 @@ def dry_run(cfg: Config, world_size: int, gpus_per_node: int = 8, gpu: str = "h1
     lines += _rank_map(topology, gpus_per_node) + _groups(topology, gpus_per_node)
     stages = estimate_stages(cfg, topology.dp, device)
     lines.append(_schedule(cfg, topology.dp, [s.in_flight for s in stages]))
+    lines.append(_data_parallel(cfg, topology.dp))
     worst = max(stages, key=lambda s: s.total)
     verdict = "fits" if worst.total <= device.memory_bytes else "DOES NOT FIT: run tools/plan.py for layouts that do"
     lines.append(f"memory per GPU ({device.name}, {device.memory_gib:.1f} GiB), worst pipeline rank {worst.rank}: "
