@@ -148,14 +148,17 @@ def _covered(layouts, per_rank):
 
 FOUR = [_zero3(LLAMA, 2, 1, 2, domino=True, sequence_parallel=True),  # Domino row split, SP
         _zero3(GPT, 2, 1, 2, domino=True, domino_split="2d"),  # Domino 2-D
-        _zero3(replace(GPT, recompute="full"), 2, 1, 2, domino=True)]  # a recomputed phase gathers again
+        _zero3(replace(GPT, recompute="full"), 2, 1, 2, domino=True),  # a recomputed phase reads its weights again
+        _zero3(replace(LLAMA, recompute="selective"), 2, 1, 2, domino=True, domino_split="column")]
 CP = [cp_layout(GPT, cp=2, dp=2, zero_stage=3, documents=True)]  # weights sharded over dp x cp
-EP = [(ep_config(replace(GPT_MOE, moe_grouped_gemm=True), ep=2, dp=4, zero=3), MICRO_BATCH)]  # experts over 2
+EP = [(ep_config(replace(GPT_MOE, moe_grouped_gemm=True), ep=2, dp=4, zero=3), MICRO_BATCH),  # experts over 2
+      (ep_config(GPT_MOE, ep=2, dp=2, tp=2, expert_tp=1, zero=3), MICRO_BATCH)]  # whole experts over tp x ep
 
 
 def test_zero3_composes_with_tp_domino_recompute_cp_and_ep():
-    """4 ranks: tp 2 × dp 2 with Domino (row split with SP; 2-D; full recompute), cp 2 × dp 2 with packed
-    documents, dp 4 × ep 2 (expert weights sharded over their 2 replicas). 6 SGD steps each, 1e-5."""
+    """4 ranks: tp 2 × dp 2 with Domino (row split with SP; 2-D; full recompute; selective recompute with the
+    column split), cp 2 × dp 2 with packed documents, dp 4 × ep 2 (expert weights sharded over their 2
+    replicas), tp 2 × dp 2 × ep 2 with expert TP 1. 6 SGD steps each, 1e-5."""
     per_rank = run_ranks(_check_layouts, 4, FOUR, CP, EP, timeout=400)
     _covered(FOUR + CP + EP, per_rank)
 
