@@ -29,8 +29,8 @@ def _long(*overrides):
 
 # ----- memory ------------------------------------------------------------------------------------
 def test_activations_divide_by_cp_and_zero_shards_over_dp_times_cp():
-    one = _long("parallel.tp=2", "parallel.cp=1")
-    four = _long("parallel.tp=2", "parallel.cp=4")
+    one = _long("parallel.tp=2", "parallel.cp=1", "optimizer.zero_stage=2")
+    four = _long("parallel.tp=2", "parallel.cp=4", "optimizer.zero_stage=2")
     plain, split = estimate_memory(one, 1, H100), estimate_memory(four, 1, H100)
     assert split.activations == pytest.approx(plain.activations / 4)
     assert split.transient == pytest.approx(plain.transient / 4)  # the loss's logits, also per local token
@@ -38,6 +38,15 @@ def test_activations_divide_by_cp_and_zero_shards_over_dp_times_cp():
     replicas = estimate_memory(one, 4, H100)  # dp 4 instead of cp 4: the same ZeRO shards
     assert (split.grads, split.optimizer) == pytest.approx((replicas.grads, replicas.optimizer))
     assert split.optimizer == pytest.approx(12 * rank_parameters(four)[0] / 4)
+    # ZeRO-3 shards the weights over dp x cp as well: cp 4 holds what dp 4 does
+    one, four = (_as_zero3(cfg) for cfg in (one, four))
+    assert estimate_memory(four, 1, H100).params == pytest.approx(estimate_memory(one, 4, H100).params)
+    assert estimate_memory(four, 1, H100).params < estimate_memory(one, 1, H100).params / 2
+
+
+def _as_zero3(cfg):
+    cfg.optimizer.zero_stage = 3
+    return cfg
 
 
 def test_document_masking_and_long_sequences_add_no_quadratic_term():

@@ -248,18 +248,8 @@ class DistributedOptimizer:
             self.units.release_all()
 
     def gathered_weights(self):
-        """A context within which every weight is whole (ZeRO-3 gathers them all; the other stages hold them
-        anyway): to read a live model's weights. Collective over the gradient groups."""
+        """A context within which every weight is whole (ZeRO-3 gathers them all): collective over DP."""
         return self.units.all_gathered() if self.units is not None else contextlib.nullcontext()
-
-    def sharded_weights(self) -> dict[int, list[Fragment]]:
-        """ZeRO-3: id of every weight that exists only as shards -> this rank's fragments of it (none where other
-        ranks hold all of it): a checkpoint reads and writes the model's weights there."""
-        found = {id(p): [] for buffer in self.buffers if buffer.weights.sharded for p in buffer.params}
-        for fragment in self.fragments:
-            if id(fragment.param) in found:
-                found[id(fragment.param)].append(fragment)
-        return found
 
     # ----- what a checkpoint needs (optim/sharded_state.py places it in layout-free full tensors) ---------
     def owned_fragments(self) -> list[OwnedFragment]:
@@ -294,14 +284,14 @@ class DistributedOptimizer:
             self.optimizer.load_state_dict(packed)
         self.scaler.load_state_dict(scalars["scaler"])
         self.steps = step
+        if self.units is not None:  # the weights were loaded too: no gathered copy of the old ones survives
+            self.units.release_all()
 
     # ----- accounting ------------------------------------------------------------------------------------
     def memory_report(self) -> dict:
-        """Bytes held on this rank. ``master_bytes`` counts fp32 masters even where they are the fp32
-        weights themselves; ``params`` is the number of weight elements on this rank; ``host_bytes``, the part
-        of masters and optimizer state offloaded to host memory (``optimizer.offload``); ``weight_bytes``, the
-        weights held now (ZeRO-3: the shard and whatever layers are gathered); ``gathered_peak_bytes``, the most
-        ZeRO-3 held in gathered layers at once."""
+        """Bytes held on this rank: ``master_bytes`` even where masters are the fp32 weights; ``params``, weight
+        elements; ``host_bytes``, masters and optimizer state offloaded (``optimizer.offload``); ``weight_bytes``,
+        weights held now (ZeRO-3: shard + gathered layers); ``gathered_peak_bytes``, ZeRO-3's most gathered."""
         states = self.optimizer.state.values() if self.optimizer is not None else []
         return {
             "params": sum(p.numel() for buffer in self.buffers for p in buffer.params),

@@ -37,6 +37,16 @@ def checkpoint_regions(dopt) -> dict[str, tuple[tuple[int, ...], list[Region]]]:
     return out
 
 
+def sharded_weight_fragments(dopt) -> dict[int, list]:
+    """ZeRO-3: id of every weight that exists only as shards -> this rank's fragments of it (none where other
+    ranks hold all of it): a checkpoint reads and writes the model's weights there, in the shard."""
+    found = {id(p): [] for buffer in dopt.buffers if buffer.weights.sharded for p in buffer.params}
+    for fragment in dopt.fragments:
+        if id(fragment.param) in found:
+            found[id(fragment.param)].append(fragment)
+    return found
+
+
 def checkpoint_meta(dopt) -> dict:
     """The optimizer's scalars, the same on every rank: they go into the checkpoint's metadata."""
     return dopt.scalars()

@@ -57,11 +57,10 @@ class WeightUnits:
         """``unit`` of ``chunk`` is in use: gather it if need be, prefetch what follows, release the rest."""
         backward = torch._C._current_graph_task_id() != -1
         order = self.orders[(chunk, backward)]
-        here = self.where
-        if here is not None and here[:2] == (chunk, backward) and here[2] is not None and order[here[2]] is unit:
+        same_pass = self.where is not None and self.where[:2] == (chunk, backward) and self.where[2] is not None
+        if same_pass and order[self.where[2]] is unit:
             return  # the unit in use already: nothing moves
-        start = here[2] if here is not None and here[:2] == (chunk, backward) and here[2] is not None else 0
-        index = _find(order, unit, start)
+        index = _find(order, unit, self.where[2] if same_pass else 0)
         window = [unit] if index is None else order[index:index + 1 + self.depth]
         if backward or self.reshard_after_forward:
             for held in [u for u in self.held if u not in window]:

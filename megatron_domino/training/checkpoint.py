@@ -29,7 +29,7 @@ from ..config.errors import CheckpointError
 from ..config.loader import config_to_dict
 from ..files import fsync_dir, fsync_file
 from ..models.full_state import saved_parameters
-from ..optim.sharded_state import ShardedStateLoad, checkpoint_meta, checkpoint_regions
+from ..optim.sharded_state import ShardedStateLoad, checkpoint_meta, checkpoint_regions, sharded_weight_fragments
 from ..parallel.device import cuda
 from ..parallel.store_barrier import Phase
 from ..parallel.strict import to_host
@@ -53,7 +53,7 @@ def _weight_regions(param, info, tp_rank: int, shards: dict) -> list:
 
 
 def _shards(optimizer) -> dict:
-    return optimizer.sharded_weights() if optimizer is not None else {}
+    return sharded_weight_fragments(optimizer) if optimizer is not None else {}
 
 
 def model_state(chunks, tp_rank: int, optimizer=None) -> dict[str, tensors.Stored]:
