@@ -20,6 +20,7 @@ from .schema import (
     BAD_STEP_ACTIONS,
     FREE_SPACE,
     LR_SCHEDULES,
+    MAX_PREFETCH_DEPTH,
     NORMS,
     OFFLOAD_DEVICES,
     OPTIMIZERS,
@@ -28,7 +29,6 @@ from .schema import (
     TOKENIZERS,
     WANDB_MODES,
     ZERO_STAGES,
-    MAX_PREFETCH_DEPTH,
     Config,
 )
 

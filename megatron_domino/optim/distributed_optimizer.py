@@ -90,8 +90,9 @@ class DistributedOptimizer:
         self.infos = {id(p): table[name] for chunk, table in ((c, c.sharding()) for c in model_chunks)
                       for name, p in chunk.named_global_parameters()}  # sharding-table rows, for the norm
         self.bucket_alone = bucket_alone
-        self.buffers = self._build_buffers(model_chunks)
-        self.units = shard_model_weights(model_chunks, self.buffers, opt) if self.zero_stage == 3 else None
+        units = unit_keys(model_chunks) if self.zero_stage == 3 else {}  # id(weight) -> its ZeRO-3 unit
+        self.buffers = self._build_buffers(model_chunks, units)
+        self.units = shard_model_weights(model_chunks, self.buffers, units, opt) if units else None
         self.fragments: list[Fragment] = [f for buffer in self.buffers for f in buffer.fragments()]
         self.device = self.buffers[0].device if self.buffers else torch.device("cpu")
         self.offload = HostOffload(self.fragments, opt.offload_fraction if opt.offload else 0.0, self.device)
@@ -109,10 +110,10 @@ class DistributedOptimizer:
         self._last_microbatch = True
         self.steps = 0
 
-    def _build_buffers(self, model_chunks) -> list[GradBuffer]:
+    def _build_buffers(self, model_chunks, units: dict[int, str]) -> list[GradBuffer]:
         """One buffer per (chunk, weight dtype, expert or not, weights sharded or not), parameters in reverse
         registration (~ backward) order."""
-        buffers, units = [], unit_keys(model_chunks)
+        buffers = []
         for chunk in model_chunks:
             by_kind: dict[tuple[torch.dtype, bool, bool], list] = {}
             for param in chunk.parameters():

@@ -65,18 +65,18 @@ def unit_orders(chunks, units: dict[str, Unit]) -> dict[tuple[int, bool], list[U
 
 def install(chunks, units: WeightUnits, unit_of: dict[int, Unit]) -> None:
     """Make every read of a sharded weight of ``chunks`` touch its unit, and backward's unpacks too."""
-    for index, chunk in enumerate(chunks):
+    for chunk in chunks:
         for module in chunk.modules():
             found = {name: unit_of[id(p)] for name, p in module.named_parameters(recurse=False) if id(p) in unit_of}
             if found:
-                properties = {name: _touching(name, unit, index, units) for name, unit in found.items()}
+                properties = {name: _touching(name, unit, units) for name, unit in found.items()}
                 module.__class__ = type(module.__class__.__name__, (module.__class__,), properties)
         chunk.forward = functools.partial(_forward_saving_units, chunk.forward, units)
 
 
-def _touching(name: str, unit: Unit, chunk: int, units: WeightUnits) -> property:
+def _touching(name: str, unit: Unit, units: WeightUnits) -> property:
     def read(module):
-        units.touch(unit, chunk)
+        units.touch(unit)
         return module._parameters[name]
     return property(read, doc=f"the sharded weight {name!r}: reading it gathers its ZeRO-3 unit {unit.name}")
 
@@ -91,16 +91,16 @@ def _forward_saving_units(forward, units: WeightUnits, *args, **kwargs):
         return forward(*args, **kwargs)
 
 
-def shard_model_weights(chunks, buffers: list, opt) -> WeightUnits | None:
-    """ZeRO-3 on ``chunks`` whose weights ``buffers`` hold (sharded where ``buffer.weights.sharded``): their
-    units, gathered on use from now on. None when no weight is sharded (one data-parallel rank)."""
-    keys = unit_keys(chunks)
+def shard_model_weights(chunks, buffers: list, keys: dict[int, str], opt) -> WeightUnits | None:
+    """ZeRO-3 on ``chunks`` whose weights ``buffers`` hold (sharded where ``buffer.weights.sharded``; ``keys``:
+    ``unit_keys(chunks)``): their units, gathered on use from now on. None when no weight is sharded (one
+    data-parallel rank)."""
     units: dict[str, Unit] = {}
     for buffer in buffers:
         if buffer.weights.sharded:
             for bucket in buffer.buckets:
                 key = keys[id(bucket.params[0])]
-                units.setdefault(key, Unit(key)).parts.append((buffer.weights, bucket))
+                units.setdefault(key, Unit(key, int(key.split(":", 1)[0]))).parts.append((buffer.weights, bucket))
     if not units:
         return None
     manager = WeightUnits(list(units.values()), unit_orders(chunks, units), opt.prefetch_depth,

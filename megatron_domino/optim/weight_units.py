@@ -31,6 +31,7 @@ import torch
 @dataclass(eq=False)
 class Unit:
     name: str  # "<chunk>:<module>", e.g. "0:layers.3"
+    chunk: int  # index of the model chunk it belongs to
     parts: list = field(default_factory=list)  # (ShardedWeights, bucket) pairs
     works: list = field(default_factory=list)  # all-gathers in flight
 
@@ -53,9 +54,9 @@ class WeightUnits:
         self.trace: list | None = None
 
     # ----- the window -------------------------------------------------------------------------------------
-    def touch(self, unit: Unit, chunk: int) -> None:
-        """``unit`` of ``chunk`` is in use: gather it if need be, prefetch what follows, release the rest."""
-        backward = torch._C._current_graph_task_id() != -1
+    def touch(self, unit: Unit) -> None:
+        """``unit`` is in use: gather it if need be, prefetch what follows, release the rest."""
+        backward, chunk = torch._C._current_graph_task_id() != -1, unit.chunk
         order = self.orders[(chunk, backward)]
         same_pass = self.where is not None and self.where[:2] == (chunk, backward) and self.where[2] is not None
         if same_pass and order[self.where[2]] is unit:
@@ -128,12 +129,12 @@ class WeightUnits:
         unit = self.by_storage.get(tensor.untyped_storage().data_ptr())
         if unit is None:
             return tensor if outer is None else outer(tensor)
-        return _SavedWeight(unit, int(unit.name.split(":", 1)[0]), tensor)
+        return _SavedWeight(unit, tensor)
 
     def unpack(self, packed, outer=None):
         """Backward needs a saved tensor: a weight's unit is touched (gathered again if it was released)."""
         if isinstance(packed, _SavedWeight):
-            self.touch(packed.unit, packed.chunk)
+            self.touch(packed.unit)
             return packed.tensor
         return packed if outer is None else outer(packed)
 
@@ -141,7 +142,6 @@ class WeightUnits:
 @dataclass
 class _SavedWeight:
     unit: Unit
-    chunk: int
     tensor: torch.Tensor
 
 

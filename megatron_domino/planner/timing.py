@@ -222,7 +222,7 @@ def estimate_step_time(cfg: Config, dp: int, gpu: GPU, gpus_per_node: int,
     passes = m if cfg.optimizer.zero_stage >= 2 else 1
     overlap = min(reduce, compute_mb * 2 / 3) if cfg.optimizer.overlap_grad_reduce else 0.0
     if layer_gathers:
-        gather += m * _exposed_layer_gathers(cfg, layer_gathers, compute_mb, len(_rank_layers(cfg, slowest)))
+        gather += m * _exposed_layer_gathers(cfg, layer_gathers, compute_mb, len(layers))
 
     return StepTime(compute=m * compute_mb, bubble=(par.pp - 1) / par.virtual_pp * per_microbatch,
                     tp_exposed=m * (1 - hidden) * tp_mb, tp_hidden=m * hidden * tp_mb,
