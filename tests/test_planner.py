@@ -274,3 +274,20 @@ def test_dp_reduction_volume_link_and_overlap():
     assert estimate_step_time(sharded, dp, gpu, 8).dp_exposed == pytest.approx(15 / 16 * 6 * params / 50e9, rel=1e-9)
     overlapped = replace(cfg, optimizer=replace(cfg.optimizer, overlap_grad_reduce=True))
     assert estimate_step_time(overlapped, dp, gpu, 8).dp_exposed < plain.dp_exposed
+
+
+def test_offload_host_step_is_hidden_up_to_one_forward():
+    """CPU offload: 28 bytes per offloaded weight through host memory and 8 over PCIe; the next forward hides up
+    to a third of one micro-batch's compute (overlap on), nothing with overlap off; ZeRO-0 offloads nothing."""
+    gpu, dp = get_gpu("h100-80gb"), 16
+    cfg = load_config(os.path.join(ROOT, "configs/gpt/1.3b.yaml"), ["optimizer.zero_stage=1", "optimizer.offload=cpu",
+                                                                     "optimizer.offload_fraction=0.5"])
+    weights = 0.5 * rank_parameters(cfg)[0] / dp
+    host = weights * 28 / 10e9 + weights * 8 / 25e9
+    plain = estimate_step_time(replace(cfg, optimizer=replace(cfg.optimizer, offload=None)), dp, gpu, 8)
+    serial = estimate_step_time(replace(cfg, optimizer=replace(cfg.optimizer, overlap_offload_step=False)), dp, gpu, 8)
+    overlapped = estimate_step_time(cfg, dp, gpu, 8)
+    compute_mb = plain.compute / cfg.train.num_microbatches(dp)
+    assert plain.host_exposed == 0 and serial.host_exposed == pytest.approx(host, rel=1e-9)
+    assert overlapped.host_exposed == pytest.approx(max(0.0, host - compute_mb / 3), rel=1e-9)
+    assert serial.total - plain.total == pytest.approx(host, rel=1e-9)

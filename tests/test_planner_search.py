@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import replace
 from itertools import product
 
 import pytest
@@ -107,7 +108,11 @@ def test_published_layouts_are_feasible_and_impossible_ones_are_not():
     assert _fits(llama70, h100, 64, tp=1, pp=1, zero_stage=3)
     # tp 8 at dp 16: 44 GB of weights + 22 GB of ZeRO-2 state (2 + 16/16 bytes per weight) + recomputed activations
     tight = rank_layouts(gpt175, h100, nodes=16, gpus_per_node=8, only={"tp": [8], "pp": [1], "zero_stage": [0, 1, 2]})
-    assert {(e.layout.zero_stage, e.layout.recompute) for e in tight if e.fits} == {(2, "full")}
+    assert {(e.layout.zero_stage, e.layout.recompute) for e in tight if e.fits and not e.layout.offload} == {
+        (2, "full")}
+    # the optimizer offloaded (ZeRO-2's 12/16 bytes per weight to the host) buys back the activations of recompute
+    offloaded = {(e.layout.zero_stage, e.layout.recompute) for e in tight if e.fits and e.layout.offload}
+    assert offloaded == {(2, "full"), (2, "selective"), (2, "none")}, offloaded
 
 
 def test_plan_cli_prints_a_table_and_emits_a_loadable_layout(capsys):
@@ -123,3 +128,22 @@ def test_plan_cli_prints_a_table_and_emits_a_loadable_layout(capsys):
     assert "parallel.tp=2" in overrides
     validate_config(load_config(GPT, overrides), world_size=4, check_paths=False)
     assert plan.main(["--model", "no-such-model"]) == 2
+
+
+def test_memory_savers_are_tried_only_where_a_layout_does_not_fit():
+    """Offload (ZeRO >= 1) and no prefetch (ZeRO-3) appear only on layouts whose plain form does not fit; each
+    saver row costs no less time and no more memory than that form, and is emitted as loadable overrides."""
+    llama70 = load_config(os.path.join(ROOT, "configs/llama/llama2-70b.yaml"))
+    h100 = get_gpu("h100-80gb")
+    ranked = rank_layouts(llama70, h100, nodes=4, gpus_per_node=8, only={"tp": [8], "pp": [1, 2]})
+    plain = {e.layout: e for e in ranked if not e.layout.offload and e.layout.prefetch_depth == 1}
+    savers = [e for e in ranked if e.layout.offload or e.layout.prefetch_depth == 0]
+    assert savers and any(e.fits for e in savers)
+    for est in savers:
+        base = plain[replace(est.layout, offload=False, prefetch_depth=1)]
+        assert not base.fits, est.layout
+        assert est.memory.total <= base.memory.total and est.time.total >= base.time.total, est.layout
+        assert est.layout.zero_stage > 0 and (est.layout.prefetch_depth == 1 or est.layout.zero_stage == 3)
+    best = next(e for e in savers if e.fits)
+    assert load_config(os.path.join(ROOT, "configs/llama/llama2-70b.yaml"), best.layout.overrides()) == \
+        best.layout.apply(llama70)

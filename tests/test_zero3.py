@@ -122,8 +122,11 @@ def test_zero3_data_parallel_matches_one_process(dp):
 
 
 # ----- composed with the rest (SGD through the pipeline engine, as the trainer runs it) ----------------------
-def _zero3(model, tp, pp, dp, *, schedule=None, virtual_pp=1, **parallel):
-    model, cfg = _layout(model, tp, pp, dp, virtual_pp=virtual_pp, schedule=schedule, zero_stage=3)
+def _zero3(model, tp, pp, dp, *, schedule=None, virtual_pp=1, zero_stage=3, offload_fraction=None, **parallel):
+    """A layout at ZeRO-3 (or ``zero_stage``), with ``offload_fraction`` of the optimizer on the host if given."""
+    model, cfg = _layout(model, tp, pp, dp, virtual_pp=virtual_pp, schedule=schedule, zero_stage=zero_stage)
+    if offload_fraction is not None:
+        cfg.optimizer = replace(cfg.optimizer, offload="cpu", offload_fraction=offload_fraction)
     for name, value in parallel.items():
         setattr(cfg.parallel, name, value)
     cfg.data.mock = True
@@ -149,7 +152,8 @@ def _covered(layouts, per_rank):
 FOUR = [_zero3(LLAMA, 2, 1, 2, domino=True, sequence_parallel=True),  # Domino row split, SP
         _zero3(GPT, 2, 1, 2, domino=True, domino_split="2d"),  # Domino 2-D
         _zero3(replace(GPT, recompute="full"), 2, 1, 2, domino=True),  # a recomputed phase reads its weights again
-        _zero3(replace(LLAMA, recompute="selective"), 2, 1, 2, domino=True, domino_split="column")]
+        _zero3(replace(LLAMA, recompute="selective"), 2, 1, 2, domino=True, domino_split="column"),
+        _zero3(GPT, 2, 1, 2, zero_stage=1, offload_fraction=0.5, domino=True)]  # the host steps behind Domino's reads
 CP = [cp_layout(GPT, cp=2, dp=2, zero_stage=3, documents=True)]  # weights sharded over dp x cp
 EP = [(ep_config(replace(GPT_MOE, moe_grouped_gemm=True), ep=2, dp=4, zero=3), MICRO_BATCH),  # experts over 2
       (ep_config(GPT_MOE, ep=2, dp=2, tp=2, expert_tp=1, zero=3), MICRO_BATCH)]  # whole experts over tp x ep
@@ -157,20 +161,22 @@ EP = [(ep_config(replace(GPT_MOE, moe_grouped_gemm=True), ep=2, dp=4, zero=3), M
 
 def test_zero3_composes_with_tp_domino_recompute_cp_and_ep():
     """4 ranks: tp 2 × dp 2 with Domino (row split with SP; 2-D; full recompute; selective recompute with the
-    column split), cp 2 × dp 2 with packed documents, dp 4 × ep 2 (expert weights sharded over their 2
+    column split; ZeRO-1 with half the optimizer offloaded),
+    cp 2 × dp 2 with packed documents, dp 4 × ep 2 (expert weights sharded over their 2
     replicas), tp 2 × dp 2 × ep 2 with expert TP 1. 6 SGD steps each, 1e-5."""
     per_rank = run_ranks(_check_layouts, 4, FOUR, CP, EP, timeout=400)
     _covered(FOUR + CP + EP, per_rank)
 
 
 EIGHT = [_zero3(LLAMA, 2, 2, 2, domino=True),  # 1F1B
-         _zero3(LLAMA, 2, 2, 2, virtual_pp=2, domino=True),  # interleaved
+         _zero3(LLAMA, 2, 2, 2, virtual_pp=2, domino=True, offload_fraction=1.0),  # interleaved, offloaded
          _zero3(GPT, 2, 2, 2, schedule="zb-h1", domino=True),  # W gathers the weights again
          _zero3(replace(GPT, recompute="full"), 2, 2, 2, schedule="zb-h1", domino=True, sequence_parallel=True)]
 
 
 def test_zero3_under_every_pipeline_schedule():
-    """8 ranks, tp 2 × pp 2 × dp 2 with Domino: 1F1B, interleaved, ZB-H1, and ZB-H1 with full recompute and SP
+    """8 ranks, tp 2 × pp 2 × dp 2 with Domino: 1F1B, interleaved (the optimizer offloaded),
+    ZB-H1, and ZB-H1 with full recompute and SP
     (the tied embedding's shards summed across the first and last stage)."""
     _covered(EIGHT, run_ranks(_check_layouts, 8, EIGHT, timeout=500))
 

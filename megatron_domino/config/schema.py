@@ -212,6 +212,7 @@ class OptimizerConfig:
     accumulate_grads_in_fp32: bool = True
     offload: Optional[str] = None  # OFFLOAD_DEVICES: "cpu" keeps masters and Adam state in host memory
     offload_fraction: float = 1.0  # the share of this rank's shard offloaded (Megatron's optimizer_offload_fraction)
+    overlap_offload_step: bool = True  # offload: the host steps while the next forward runs (optim/host_step.py)
     lr_schedule: str = "cosine"  # LR_SCHEDULES
     warmup_steps: int = 0
     decay_steps: Optional[int] = None  # None: train.steps - warmup_steps

@@ -13,7 +13,8 @@ One step, on every rank:
              embedding or TP group, in place);
   step       unscale (fp16) and look for inf/nan on every rank; skip everywhere together if found;
              global L2 norm (each element once), clip, update this rank's fp32 shard, cast it back
-             into the weights and all-gather the weights over DP.
+             into the weights and all-gather the weights over DP. With ``optimizer.offload`` a host thread
+             steps the offloaded buckets behind the next forward (``host_step``).
 
 fp32 weights are their own master: the shard's master tensor is a view of the weight, so no copy
 is kept. The reduction is a SUM over DP: the trainer already divides the loss by the global count.
@@ -36,9 +37,9 @@ from ..parallel import comm
 from .grad_buffer import Fragment, GradBuffer
 from .grad_norm import global_norm, local_squared_norm
 from .loss_scaler import found_inf_across_ranks, loss_scaler_from_config
-from .offload import HostOffload
+from .host_step import offload_step
+from .param_groups import STATE_KEYS, build_inner_optimizer, load_inner_state, weight_decay_groups
 from .weight_hooks import shard_model_weights, sharded_weight, unit_keys
-from .param_groups import STATE_KEYS, build_inner_optimizer, master_device_types, uses_apex, weight_decay_groups
 
 
 @dataclass(frozen=True)
@@ -95,13 +96,13 @@ class DistributedOptimizer:
         self.units = shard_model_weights(model_chunks, self.buffers, units, opt) if units else None
         self.fragments: list[Fragment] = [f for buffer in self.buffers for f in buffer.fragments()]
         self.device = self.buffers[0].device if self.buffers else torch.device("cpu")
-        self.offload = HostOffload(self.fragments, opt.offload_fraction if opt.offload else 0.0, self.device)
-        self.masters = [self.offload.master(f) if i in self.offload.chosen  # a host copy
+        self.host = offload_step(model_chunks, self.buffers, self.fragments, opt, self.device, self.units)
+        self.masters = [self.host.masters[i] if i in self.host.masters  # offloaded: a host copy
                         else f.data if f.data.dtype == torch.float32 else f.data.float()  # fp32 weights: themselves
                         for i, f in enumerate(self.fragments)]
-        groups = weight_decay_groups([(m, f.param) for m, f in zip(self.masters, self.fragments)],
-                                     opt.weight_decay)
-        self.optimizer = build_inner_optimizer(groups, opt) if groups else None
+        groups = weight_decay_groups([(m, f.param) for i, (m, f) in enumerate(zip(self.masters, self.fragments))
+                                      if i not in self.host.masters], opt.weight_decay)
+        self.optimizer = build_inner_optimizer(groups, opt) if groups else None  # the device's masters
         self._fragment_of = {id(f.param): f for f in self.fragments}
         self._buffer_of = {id(p): buffer for buffer in self.buffers for p in buffer.params}
         for buffer in self.buffers:
@@ -182,6 +183,7 @@ class DistributedOptimizer:
         given, sees the global norm and this rank's share of it before anything changes; False drops
         the update (the trainer's bad-step guard; it must answer alike on every rank).
         """
+        self.host.settle()  # the previous step's host update, where no forward read it
         if self.units is not None:  # backward is over and the weights are about to change
             self.units.release_all()
         reduced = [piece for buffer in self.buffers for piece in buffer.reduced()]
@@ -196,10 +198,10 @@ class DistributedOptimizer:
             return False, norm
         if self.opt.clip_grad > 0:
             torch._foreach_mul_(reduced, (self.opt.clip_grad / (norm + 1e-6)).clamp(max=1.0))
-        if self.optimizer is not None:
-            self._update(lr)
+        self._update(lr)
+        deferred = set(self.host.position)  # buckets the host thread is stepping
         for buffer in self.buffers:
-            buffer.after_step()
+            buffer.after_step(deferred)
         self.steps += 1
         return True, norm
 
@@ -223,25 +225,32 @@ class DistributedOptimizer:
         return dense + experts
 
     def _update(self, lr: float) -> None:
-        for index, (master, fragment) in enumerate(zip(self.masters, self.fragments)):
-            if index not in self.offload.chosen:
-                master.grad = fragment.grad if fragment.grad.dtype == torch.float32 else fragment.grad.float()
-        self.offload.gradients_to_host(self.fragments, self.masters)
+        """The host thread takes the offloaded buckets; the device steps its own masters meanwhile."""
+        if self.host.order:
+            self.host.launch(lr)
+        if self.optimizer is None:
+            return
+        on_device = [(m, f) for i, (m, f) in enumerate(zip(self.masters, self.fragments)) if i not in self.host.masters]
+        for master, fragment in on_device:
+            master.grad = fragment.grad if fragment.grad.dtype == torch.float32 else fragment.grad.float()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        copies = [(f.data, m) for i, (m, f) in enumerate(zip(self.masters, self.fragments))
-                  if m is not f.data and i not in self.offload.chosen]
+        copies = [(f.data, m) for m, f in on_device if m is not f.data]
         if copies:
             torch._foreach_copy_([data for data, _ in copies], [master for _, master in copies])
-        self.offload.weights_to_device(self.fragments, self.masters)
-        for master in self.masters:
+        for master, _ in on_device:
             master.grad = None
+
+    def settle(self) -> None:
+        """Complete the offloaded host step now (before reading or writing weights or masters from outside)."""
+        self.host.settle()
 
     @torch.no_grad()
     def weights_loaded(self) -> None:
         """The weights were loaded without optimizer state (a converted checkpoint): the masters start from
         them, and no gathered copy of the old ones survives."""
+        self.host.settle()
         for master, fragment in zip(self.masters, self.fragments):
             if master is not fragment.data:
                 master.copy_(fragment.data)
@@ -249,18 +258,25 @@ class DistributedOptimizer:
             self.units.release_all()
 
     def gathered_weights(self):
-        """A context within which every weight is whole (ZeRO-3 gathers them all): collective over DP."""
+        """A context within which every weight is whole and up to date (ZeRO-3 gathers them all): collective over
+        DP."""
+        self.host.settle()
         return self.units.all_gathered() if self.units is not None else contextlib.nullcontext()
 
     # ----- what a checkpoint needs (optim/sharded_state.py places it in layout-free full tensors) ---------
     def owned_fragments(self) -> list[OwnedFragment]:
-        states = self.optimizer.state if self.optimizer is not None else {}
+        self.host.settle()
+        states = {m: state for inner in self._inner() for m, state in inner.state.items()}
         return [OwnedFragment(f, self.infos[id(f.param)].tied_to or self.names[id(f.param)], self.infos[id(f.param)],
                               m, states.get(m, {})) for f, m in zip(self.fragments, self.masters)]
 
+    def _inner(self) -> list[torch.optim.Optimizer]:
+        """The inner optimizers: the device's, and the host's for offloaded masters (either may be absent)."""
+        return [inner for inner in (self.optimizer, self.host.optimizer) if inner is not None]
+
     def state_keys(self) -> tuple[str, ...]:
         """The inner optimizer's per-parameter state tensors (Adam's moments, SGD's momentum; none without one)."""
-        return STATE_KEYS[self.opt.name] if self.optimizer is not None else ()
+        return STATE_KEYS[self.opt.name] if self._inner() else ()
 
     def scalars(self) -> dict:
         """The optimizer's scalars, the same on every rank: the loss scaler's state and the step count."""
@@ -268,21 +284,12 @@ class DistributedOptimizer:
 
     def load(self, states: list[dict], scalars: dict) -> None:
         """Take loaded state tensors (per owned fragment, in ``owned_fragments`` order) and ``scalars``."""
+        self.host.settle()
         step = int(scalars["step"])
         if any(states):
-            index_of = {id(m): i for i, m in enumerate(self.masters)}
-            packed = self.optimizer.state_dict()
-            per_index = {}
-            for index, master in enumerate(m for group in self.optimizer.param_groups for m in group["params"]):
-                entry = dict(states[index_of[id(master)]])
-                if self.opt.name == "adamw":
-                    entry["step"] = torch.tensor(float(step))
-                per_index[index] = entry
-            packed["state"] = per_index
-            if uses_apex(self.opt, master_device_types(self.optimizer.param_groups)):  # steps per group, not tensor
-                for group in packed["param_groups"]:
-                    group["step"] = step
-            self.optimizer.load_state_dict(packed)
+            by_master = {id(m): entry for m, entry in zip(self.masters, states)}
+            for inner in self._inner():
+                load_inner_state(inner, by_master, step, self.opt)
         self.scaler.load_state_dict(scalars["scaler"])
         self.steps = step
         if self.units is not None:  # the weights were loaded too: no gathered copy of the old ones survives
@@ -293,7 +300,7 @@ class DistributedOptimizer:
         """Bytes held on this rank: ``master_bytes`` even where masters are the fp32 weights; ``params``, weight
         elements; ``host_bytes``, masters and optimizer state offloaded (``optimizer.offload``); ``weight_bytes``,
         weights held now (ZeRO-3: shard + gathered layers); ``gathered_peak_bytes``, ZeRO-3's most gathered."""
-        states = self.optimizer.state.values() if self.optimizer is not None else []
+        states = [state for inner in self._inner() for state in inner.state.values()]
         return {
             "params": sum(p.numel() for buffer in self.buffers for p in buffer.params),
             "master_bytes": sum(m.numel() * m.element_size() for m in self.masters),
@@ -301,7 +308,7 @@ class DistributedOptimizer:
                                          for t in state.values() if torch.is_tensor(t)),
             "grad_bytes": sum(buffer.grad_bytes() for buffer in self.buffers),
             "grad_peak_bytes": sum(buffer.peak_grad_bytes() for buffer in self.buffers),
-            "host_bytes": self.offload.host_bytes(self.masters, self.optimizer.state if self.optimizer else {}),
+            "host_bytes": self.host.host_bytes(),
             "weight_bytes": sum(buffer.weights.resident_bytes() for buffer in self.buffers),
             "gathered_peak_bytes": self.units.peak_bytes if self.units is not None else 0,
         }

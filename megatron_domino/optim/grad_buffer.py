@@ -183,9 +183,10 @@ class GradBuffer:
             if data is not None:
                 data.zero_()
 
-    def after_step(self) -> None:
-        """The updated weights where the next forward reads them (``weight_store``)."""
-        self.weights.after_step()
+    def after_step(self, deferred: set[int]) -> None:
+        """The updated weights where the next forward reads them (``weight_store``), but for the ``deferred``
+        buckets (ids), which the host still steps (``host_step``)."""
+        self.weights.after_step(deferred)
 
     def _held_elements(self) -> int:
         if not self.release:

@@ -55,3 +55,19 @@ def build_inner_optimizer(groups: list[dict], opt: OptimizerConfig) -> torch.opt
     if uses_apex(opt, devices):
         return _ApexFusedAdam(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, adam_w_mode=True)
     return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, **kernel)
+
+
+def load_inner_state(inner: torch.optim.Optimizer, states: dict[int, dict], step: int, opt: OptimizerConfig) -> None:
+    """Give ``inner`` the loaded state tensors of its masters (``states``: id(master) -> name -> tensor) at
+    step ``step``; the optimizer moves them to each master's device."""
+    packed = inner.state_dict()
+    packed["state"] = {}
+    for index, master in enumerate(m for group in inner.param_groups for m in group["params"]):
+        entry = dict(states[id(master)])
+        if opt.name == "adamw":
+            entry["step"] = torch.tensor(float(step))
+        packed["state"][index] = entry
+    if uses_apex(opt, master_device_types(inner.param_groups)):  # apex counts steps per group, not per tensor
+        for group in packed["param_groups"]:
+            group["step"] = step
+    inner.load_state_dict(packed)

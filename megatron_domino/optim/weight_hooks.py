@@ -3,8 +3,8 @@
 Why not module hooks: Domino's executor runs a block's pieces (norm, mixer, the row-parallel ``launch``) and
 the head without calling the block or the head module, so a forward pre-hook on a block would not fire, and
 a weight may be read long after its module was entered. Instead, reading a sharded weight *is* the touch:
-each module holding one gets a property in its place (a per-module subclass; ``named_parameters`` and the
-state dict are unchanged) that touches the weight's unit and returns the parameter. Every forward read
+each module holding one gets a property in its place (``watch_reads``: a per-module subclass; ``named_parameters``
+and the state dict are unchanged) that touches the weight's unit and returns the parameter. Every forward read
 and every recomputed read goes through it, under any execution strategy. Backward reads what autograd
 saved, so each chunk's forward runs under ``saved_tensors_hooks`` that remember a saved weight's unit and
 touch it when backward unpacks it.
@@ -17,6 +17,7 @@ launch and adds at its wait never needs its layer gathered in between.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 
@@ -65,20 +66,27 @@ def unit_orders(chunks, units: dict[str, Unit]) -> dict[tuple[int, bool], list[U
 
 def install(chunks, units: WeightUnits, unit_of: dict[int, Unit]) -> None:
     """Make every read of a sharded weight of ``chunks`` touch its unit, and backward's unpacks too."""
+    watch_reads(chunks, {key: functools.partial(units.touch, unit) for key, unit in unit_of.items()})
     for chunk in chunks:
-        for module in chunk.modules():
-            found = {name: unit_of[id(p)] for name, p in module.named_parameters(recurse=False) if id(p) in unit_of}
-            if found:
-                properties = {name: _touching(name, unit, units) for name, unit in found.items()}
-                module.__class__ = type(module.__class__.__name__, (module.__class__,), properties)
         chunk.forward = functools.partial(_forward_saving_units, chunk.forward, units)
 
 
-def _touching(name: str, unit: Unit, units: WeightUnits) -> property:
+def watch_reads(chunks, on_read: dict[int, Callable[[], None]]) -> None:
+    """Call ``on_read[id(param)]()`` whenever a module of ``chunks`` reads a parameter listed there (ZeRO-3's
+    touches, and the host step's completion of an offloaded bucket, ``host_step``)."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            found = {name: on_read[id(p)] for name, p in module.named_parameters(recurse=False) if id(p) in on_read}
+            if found:
+                properties = {name: _reading(name, call) for name, call in found.items()}
+                module.__class__ = type(module.__class__.__name__, (module.__class__,), properties)
+
+
+def _reading(name: str, call: Callable[[], None]) -> property:
     def read(module):
-        units.touch(unit)
+        call()
         return module._parameters[name]
-    return property(read, doc=f"the sharded weight {name!r}: reading it gathers its ZeRO-3 unit {unit.name}")
+    return property(read, doc=f"the parameter {name!r}, whose reads are watched (optim/weight_hooks.py)")
 
 
 def _forward_saving_units(forward, units: WeightUnits, *args, **kwargs):

@@ -3,7 +3,8 @@
 Either way each weight is a view into storage laid out like the gradients (``buckets``), so the optimizer
 writes its updated shard straight into the model and one collective per bucket moves a bucket's weights.
 - ``ReplicatedWeights``: one flat tensor holds every weight; after the step each rank's updated piece is
-  all-gathered into the others' (a no-op without sharding).
+  all-gathered into the others' (a no-op without sharding); a bucket stepped on the host (``host_step``) is
+  all-gathered later, when the next forward first reads it (``publish``).
 - ``ShardedWeights``: the rank keeps only its piece of each bucket (2/d bytes per bf16 weight); the bucket's
   full weights are a tensor of their own whose storage is allocated and all-gathered when its layer is
   needed (``gather``) and shrunk to nothing afterwards (``release``). The parameters stay views of that
@@ -44,14 +45,21 @@ class ReplicatedWeights:
         """This rank's piece of the bucket's weights: what its optimizer step writes."""
         return self.full(bucket)[bucket.shard_start:bucket.shard_start + bucket.shard_size]
 
-    def after_step(self) -> None:
-        """Every rank receives every other rank's updated piece."""
+    def after_step(self, deferred: set[int]) -> None:
+        """Every rank receives every other rank's updated piece, except of the ``deferred`` buckets (by id)."""
         if self.shards == 1:
             return
-        works = [all_gather_flat(self.full(b), self.own(b).clone(), group=self.group, async_op=True)  # no aliasing
-                 for b in self.buckets]
+        works = [self._all_gather(b) for b in self.buckets if id(b) not in deferred]
         for work in works:
             work.wait()
+
+    def publish(self, bucket) -> None:
+        """One bucket's updated pieces to every rank (a deferred bucket, once its host step is done)."""
+        if self.shards > 1:
+            self._all_gather(bucket).wait()
+
+    def _all_gather(self, bucket):
+        return all_gather_flat(self.full(bucket), self.own(bucket).clone(), group=self.group, async_op=True)
 
     def resident_bytes(self) -> int:
         return self.data.numel() * self.data.element_size()
@@ -94,8 +102,11 @@ class ShardedWeights:
     def release(self, bucket) -> None:
         self.full(bucket).untyped_storage().resize_(0)
 
-    def after_step(self) -> None:
+    def after_step(self, deferred: set[int]) -> None:
         """Nothing: the updated shards are gathered when their layers are next used."""
+
+    def publish(self, bucket) -> None:
+        """Nothing: the shard holds the update, and the next gather of its layer moves it."""
 
     def resident_bytes(self) -> int:
         """The shard and whatever buckets are gathered now."""

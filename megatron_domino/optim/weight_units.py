@@ -52,6 +52,7 @@ class WeightUnits:
         self.where: tuple | None = None  # (chunk, backward, index into that order) of the last touch
         self.on_demand = self.prefetched = self.peak_bytes = 0
         self.trace: list | None = None
+        self.before_gather = lambda bucket: None  # the host step completes an offloaded bucket's shard first
 
     # ----- the window -------------------------------------------------------------------------------------
     def touch(self, unit: Unit) -> None:
@@ -84,6 +85,8 @@ class WeightUnits:
         unit.works = []
 
     def _launch(self, unit: Unit, async_op: bool) -> None:
+        for _, bucket in unit.parts:
+            self.before_gather(bucket)
         works = [store.gather(bucket, async_op) for store, bucket in unit.parts]
         unit.works = [work for work in works if work is not None and async_op]
         self.held.append(unit)

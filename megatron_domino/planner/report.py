@@ -8,7 +8,7 @@ from .search import Estimate
 
 
 def _header(unit: str, moe: bool) -> str:
-    return (f"   #  tp  cp  pp   dp {'  ep ' if moe else ''}  v mbs recompute zero tp-comm   | {unit}/GPU = params  "
+    return (f"   #  tp  cp  pp   dp {'  ep ' if moe else ''}  v mbs recompute zero    tp-comm   | {unit}/GPU = params  "
             f"grads  optim    act  other |  step s  bubble  tp-exp  cp-exp {' ep-a2a ' if moe else ''}  pp+dp |   "
             "tokens/s   MFU")
 
@@ -19,11 +19,12 @@ def format_row(index: int, est: Estimate, scale: float = GIB, moe: bool = False)
     fit = "" if est.fits else "  OOM"
     ep = f"{lay.ep:>4} " if moe else ""
     a2a = f"{time.ep_exposed:>7.3g} " if moe else ""
+    pp_dp = time.pp_comm + time.dp_exposed + time.host_exposed
     return (f"{index:>4} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.dp:>4} {ep}{lay.virtual_pp:>3} {lay.micro_batch:>3} "
-            f"{lay.recompute:<9} {lay.zero_stage:>4} {lay.tp_mode:<9} | {mem.total / scale:>7.1f} = "
+            f"{lay.recompute:<9} {lay.zero_mode:<7} {lay.tp_mode:<9} | {mem.total / scale:>7.1f} = "
             f"{mem.params / scale:>6.1f} {mem.grads / scale:>6.1f} {mem.optimizer / scale:>6.1f} "
             f"{mem.activations / scale:>6.1f} {other / scale:>6.1f} | {time.total:>7.4g} {time.bubble:>7.3g} "
-            f"{time.tp_exposed:>7.3g} {time.cp_exposed:>7.3g} {a2a}{time.pp_comm + time.dp_exposed:>7.3g} | "
+            f"{time.tp_exposed:>7.3g} {time.cp_exposed:>7.3g} {a2a}{pp_dp:>7.3g} | "
             f"{est.tokens_per_s:>10,.0f} {est.mfu:>5.1%}{fit}")
 
 
@@ -38,6 +39,8 @@ def format_table(estimates: list[Estimate], shown: list[Estimate], moe: bool = F
     lines.append(f"{unit}/GPU: the pipeline rank with the most memory; other = transient peaks + fixed overhead. "
                  "tp-comm: domino = TP all-reduces overlapped by Domino, sp = sequence parallel "
                  "(sp+domino: both), - = no TP. cp-exp: ring attention's K/V transfers not hidden behind "
-                 "attention." + (" ep: expert-parallel size; ep-a2a: its token all-to-alls (exposed)." if moe else "")
+                 "attention. zero: the stage, p0 without prefetch, +cpu with the optimizer offloaded; pp+dp includes "
+                 "the host step an offload leaves exposed."
+                 + (" ep: expert-parallel size; ep-a2a: its token all-to-alls (exposed)." if moe else "")
                  + " Times in seconds per step.")
     return "\n".join(lines)

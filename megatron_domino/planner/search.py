@@ -1,7 +1,10 @@
 """Enumerate every valid layout for a cluster, estimate each, and rank them.
 
 A layout is (tp, cp, pp, dp, virtual pp, micro batch, recompute, ZeRO stage) plus how TP communicates:
-Domino's overlap, sequence parallelism, or both, and for an MoE model the expert-parallel size ep. Context-parallel
+Domino's overlap, sequence parallelism, or both, and for an MoE model the expert-parallel size ep. Two memory
+savers are tried on every layout that does not fit as it is (``with_savers``): the optimizer offloaded to the
+host (ZeRO >= 1) and, at ZeRO-3, no prefetch (one gathered layer fewer), alone and together; a layout that fits
+never gets them (they only cost time). Context-parallel
 sizes are those whose 2*cp chunks split the sequence evenly (ring attention's load balance); ep sizes divide dp and
 the number of experts. ``validate_config`` (without file checks) passes
 one layout of each (tp, cp, pp) and every layout shown or emitted, so the planner never suggests a
@@ -44,6 +47,14 @@ class Layout:
     domino: bool
     cp: int = 1
     ep: int = 1  # expert parallel: data-parallel ranks that share out the experts (MoE models only)
+    offload: bool = False  # optimizer.offload=cpu (the config's offload_fraction)
+    prefetch_depth: int = 1  # ZeRO-3's layers gathered ahead
+
+    @property
+    def zero_mode(self) -> str:
+        """The ZeRO stage with its savers, e.g. '3', '3p0' (no prefetch), '1+cpu' (offloaded)."""
+        prefetch = f"p{self.prefetch_depth}" if self.zero_stage == 3 and self.prefetch_depth != 1 else ""
+        return f"{self.zero_stage}{prefetch}{'+cpu' if self.offload else ''}"
 
     @property
     def world_size(self) -> int:
@@ -62,7 +73,9 @@ class Layout:
                 f"parallel.ep={self.ep}", f"parallel.virtual_pp={self.virtual_pp}",
                 f"parallel.sequence_parallel={flag(self.sequence_parallel)}",
                 f"parallel.domino={flag(self.domino)}", f"train.micro_batch_size={self.micro_batch}",
-                f"model.recompute={self.recompute}", f"optimizer.zero_stage={self.zero_stage}"]
+                f"model.recompute={self.recompute}", f"optimizer.zero_stage={self.zero_stage}",
+                f"optimizer.offload={'cpu' if self.offload else 'null'}",
+                f"optimizer.prefetch_depth={self.prefetch_depth}"]
 
     def apply(self, cfg: Config) -> Config:
         return _updated(cfg,
@@ -71,7 +84,8 @@ class Layout:
                                           virtual_pp=self.virtual_pp, sequence_parallel=self.sequence_parallel,
                                           domino=self.domino, pipeline_layout=None),
                         train=_updated(cfg.train, micro_batch_size=self.micro_batch),
-                        optimizer=_updated(cfg.optimizer, zero_stage=self.zero_stage))
+                        optimizer=_updated(cfg.optimizer, zero_stage=self.zero_stage,
+                                           prefetch_depth=self.prefetch_depth, offload="cpu" if self.offload else None))
 
 
 def _updated(section, **changes):
@@ -151,9 +165,17 @@ def _variants(cfg: Config, tp: int, cp: int, pp: int, dp: int, v: int, allowed) 
     eps = [ep for ep in divisors(dp) if allowed("ep", ep) and (
         ep == 1 if not cfg.model.num_experts
         else _passes(check_expert_split, cfg.model.num_experts, ep, tp, cfg.parallel.expert_tp))]
-    return [Layout(tp, pp, dp, v, b, recompute, zero, sp, domino, cp, ep)
+    offload, prefetch = bool(cfg.optimizer.offload), cfg.optimizer.prefetch_depth
+    return [Layout(tp, pp, dp, v, b, recompute, zero, sp, domino, cp, ep, offload and zero > 0, prefetch)
             for b, (sp, domino), recompute, zero, ep in product(micro, modes, RECOMPUTE, stages, eps)
             if allowed("recompute", recompute)]
+
+
+def with_savers(layout: Layout) -> list[Layout]:
+    """The memory savers of a layout that does not fit (see the module docstring), new ones only."""
+    offloads = [layout.offload] + ([True] if layout.zero_stage > 0 and not layout.offload else [])
+    depths = [layout.prefetch_depth] + ([0] if layout.zero_stage == 3 and layout.prefetch_depth else [])
+    return [replace(layout, offload=o, prefetch_depth=d) for o, d in product(offloads, depths)][1:]
 
 
 def _passes(rule, *args) -> bool:
@@ -198,8 +220,13 @@ def rank_layouts(cfg: Config, gpu: GPU, nodes: int, gpus_per_node: int,
                  assumptions: TimingAssumptions = TimingAssumptions(),
                  only: dict[str, Iterable] | None = None) -> list[Estimate]:
     """All valid layouts for ``nodes`` x ``gpus_per_node`` GPUs, estimated and ranked (see the module docstring)."""
-    estimates = [evaluate(cfg, layout, gpu, gpus_per_node, assumptions)
-                 for layout in candidate_layouts(cfg, nodes * gpus_per_node, only)]
+    allowed = lambda key, value: not only or key not in only or value in set(only[key])  # noqa: E731
+    estimates = []
+    for layout in candidate_layouts(cfg, nodes * gpus_per_node, only):
+        estimates.append(evaluate(cfg, layout, gpu, gpus_per_node, assumptions))
+        if not estimates[-1].fits:
+            estimates += [evaluate(cfg, saver, gpu, gpus_per_node, assumptions) for saver in with_savers(layout)
+                          if allowed("offload", saver.offload) and allowed("prefetch_depth", saver.prefetch_depth)]
     return sorted(_without_equal_zero_stages(estimates), key=_rank_key)
 
 

@@ -51,7 +51,14 @@ reduce-scatter in every micro-batch's backward instead. ZeRO-3 gathers no weight
 all-gathers each layer's in every micro-batch: once in forward and once in backward (``reshard_after_forward``;
 ZB-H1's W gathers a third time), while the previous layer computes (``prefetch_depth`` >= 1): only what
 exceeds the micro-batch's compute, and the first layer's gather, are exposed; without prefetch all of it.
-The optimizer step itself (memory bound) is not counted.
+The optimizer step itself (memory bound) is not counted on the device.
+
+CPU offload (``optimizer.offload``). The offloaded share of the rank's shard crosses PCIe twice (the fp32
+gradient down, the fp32 master back: 8 bytes per weight at ``pcie_gbps``) and is stepped by the host's AdamW,
+which streams ~28 bytes per weight (gradient, master and two moments read, three written) at ``host_gbps``,
+this rank's share of the node's host memory bandwidth (a guess: 10 GB/s). The host thread runs behind the next
+step's first forward (``overlap_offload_step``), which hides up to one micro-batch's forward, a third of its
+compute; the rest is exposed.
 """
 from __future__ import annotations
 
@@ -73,6 +80,8 @@ class TimingAssumptions:
     efficiency: float = 0.5  # achieved share of peak FLOP/s
     domino_hidden: float = 0.9  # share of TP communication Domino's row split hides
     domino_column_hidden: float = 0.5  # share the column split hides (micro batch 1)
+    host_gbps: float = 10.0  # CPU offload: one rank's share of the host memory bandwidth its AdamW streams
+    pcie_gbps: float = 25.0  # CPU offload: host <-> device copies per GPU (PCIe 5 x16, achieved)
 
 
 @dataclass(frozen=True)
@@ -88,11 +97,12 @@ class StepTime:
     pp_comm: float  # stage-to-stage transfers
     ep_exposed: float  # the MoE token all-to-alls of expert parallelism (never hidden)
     dp_exposed: float  # DP reduction and weight gather not overlapped
+    host_exposed: float = 0.0  # CPU offload: the host's optimizer step not hidden behind the next forward
 
     @property
     def total(self) -> float:
         return (self.compute + self.bubble + self.tp_exposed + self.cp_exposed + self.pp_comm + self.ep_exposed
-                + self.dp_exposed)
+                + self.dp_exposed + self.host_exposed)
 
 
 @lru_cache(maxsize=4096)
@@ -202,10 +212,11 @@ def estimate_step_time(cfg: Config, dp: int, gpu: GPU, gpus_per_node: int,
 
     # context-parallel ranks reduce their gradients with the data-parallel ones; experts with their replicas only
     dense, experts = max(rank_parameter_split(cfg), key=sum)
-    reduce = gather = layer_gathers = 0.0
+    reduce = gather = layer_gathers = shard = 0.0
     zero3 = cfg.optimizer.zero_stage == 3
     for params, replicas, spans in ((dense, dp * par.cp, ("dp", "cp")),
                                     (experts, expert_replicas(cfg, dp), ("expert_dp",))):
+        shard += params / replicas if cfg.optimizer.zero_stage else params
         if replicas == 1 or params == 0:
             continue
         bandwidth = link(*spans)
@@ -227,7 +238,19 @@ def estimate_step_time(cfg: Config, dp: int, gpu: GPU, gpus_per_node: int,
     return StepTime(compute=m * compute_mb, bubble=(par.pp - 1) / par.virtual_pp * per_microbatch,
                     tp_exposed=m * (1 - hidden) * tp_mb, tp_hidden=m * hidden * tp_mb,
                     cp_exposed=m * cp_exposed, cp_hidden=m * cp_hidden, pp_comm=m * pp_mb,
-                    ep_exposed=m * ep_mb, dp_exposed=passes * (reduce - overlap) + gather)
+                    ep_exposed=m * ep_mb, dp_exposed=passes * (reduce - overlap) + gather,
+                    host_exposed=_exposed_host_step(cfg, shard, compute_mb, assumptions))
+
+
+def _exposed_host_step(cfg: Config, shard: float, compute_mb: float, assumptions: TimingAssumptions) -> float:
+    """Seconds of CPU offload's host step the next forward does not hide (see the module docstring); ``shard``:
+    the weights whose optimizer state this rank steps."""
+    opt = cfg.optimizer
+    if not opt.offload or opt.zero_stage == 0:
+        return 0.0
+    weights = opt.offload_fraction * shard
+    host = weights * 28 / (assumptions.host_gbps * 1e9) + weights * 8 / (assumptions.pcie_gbps * 1e9)
+    return max(0.0, host - compute_mb / 3) if opt.overlap_offload_step else host
 
 
 def _exposed_layer_gathers(cfg: Config, once: float, compute_mb: float, layers: int) -> float:

@@ -37,7 +37,7 @@ BY_DESIGN = {
     ("models/expert_dispatch.py", "__init__"): "MoE under EP: the token counts size the all-to-all",
     ("training/guard.py", "_accept"): "the bad-step guard reads the loss and the grad norm",
     ("training/guard.py", "_first_rank"): "the bad-step guard names the rank of a non-finite gradient",
-    ("optim/offload.py", "gradients_to_host"): "CPU offload: the host steps once the gradients have arrived",
+    ("optim/host_step.py", "_step_bucket"): "CPU offload: the host thread waits for the gradients it steps",
 }
 
 

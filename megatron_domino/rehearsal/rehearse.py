@@ -111,7 +111,9 @@ def _claim_state(memory: AllocationAccounting, trainer) -> None:
     memory.claim(params + [buffer.weights.shard for buffer in optimizer.buffers if buffer.weights.sharded],
                  "parameters", force=True)
     memory.claim(grads, "gradients", force=True)
-    memory.claim([m for m, f in zip(optimizer.masters, optimizer.fragments) if m is not f.data] + states,
+    masters = [m for m, f in zip(optimizer.masters, optimizer.fragments)
+               if m is not f.data and m.device == f.data.device]  # not those offloaded to the host
+    memory.claim(masters + states,
                  "optimizer", force=True)
 
 

@@ -117,6 +117,7 @@ class Checkpointer:
         rng_path = os.path.join(tmp, fmt.rng_file(self.state.rank))
         torch.save(self.rng.capture(), rng_path)
         fsync_file(rng_path)
+        optimizer.settle()  # an offloaded update still on the host thread
         content = {**model_state(chunks, self.state.tp_rank, optimizer), **optimizer_state(optimizer)}
         meta = fmt.metadata(step, config_to_dict(self.cfg), self._layout(), consumed_samples=consumed_samples,
                             lr_schedule=lr_schedule.state_dict(), optimizer=checkpoint_meta(optimizer))
@@ -174,6 +175,8 @@ class Checkpointer:
         metadata = fmt.read_metadata(path)
         fmt.check_compatible(metadata, self.cfg.model)
         fmt.check_files(path)
+        if optimizer is not None:
+            optimizer.settle()  # nothing may still write the weights being loaded
         wanted = model_targets(chunks, self.state.tp_rank, optimizer)
         optimizer_load = None
         if metadata.get("has_optimizer") and optimizer is not None:
