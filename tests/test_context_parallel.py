@@ -25,10 +25,9 @@ pytestmark = pytest.mark.slow  # multi-rank training runs: the whole suite, not 
 
 STEPS, LR, EOD = 6, 0.5, 0
 LLAMA_16 = replace(LLAMA, seq_length=16)
-# Dropless experts route token by token, so a CP rank's tokens route as in one process. The auxiliary losses
-# are per routing group (a CP rank's part of a micro-batch) and weighted by the engine, which the reference
-# does not run: off here (tests/test_moe.py covers them).
-MIXTURE = replace(LLAMA_16, num_experts=4, moe_topk=2, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)
+# Dropless experts route token by token, so a CP rank's tokens route as in one process; the auxiliary losses
+# are the micro-batch's, whose tokens the CP ranks share (models/balance.py): the reference runs micro-batches.
+MIXTURE = replace(LLAMA_16, num_experts=4, moe_topk=2, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
 DOCUMENTS = {"reset_position_ids": True, "reset_attention_mask": True}
 
 
@@ -46,7 +45,8 @@ def _samples(model, documents: bool):
 
 
 def _reference(model, documents):
-    return reference_steps(model, (collate(samples) for samples in _samples(model, documents)), LR)
+    return reference_steps(model, (collate(samples) for samples in _samples(model, documents)), LR,
+                           micro_batch=MICRO_BATCH if model.num_experts else None)
 
 
 def _train(world_size, cfg, documents):

@@ -5,8 +5,9 @@ rules (every member's sends meet its peers' receives); the trainer resumes an Mo
 bad ep values are refused before any process group starts. Expert TP 1 (whole experts shared out over tp x ep
 ranks, each TP rank routing its slice of the tokens) trains like one process too.
 
-The one-process reference is ``tests.test_moe._reference``: tokens routed per micro-batch (per Domino mu-chunk
-under the row split), the engine's objective. Data-parallel rank r trains samples [r·B/dp, (r+1)·B/dp).
+The one-process reference is ``tests.test_moe._reference``: tokens routed per micro-batch (the auxiliary losses
+over the micro-batch even where Domino's row split routes mu-chunks alone), the engine's objective.
+Data-parallel rank r trains samples [r·B/dp, (r+1)·B/dp).
 """
 from dataclasses import replace
 
@@ -133,7 +134,7 @@ def test_ep2_and_ep4_train_like_one_process():
 EIGHT_RANKS = [(_config(DROPLESS_LLAMA, ep=2, dp=2, tp=2, pp=2, domino=True, domino_split="column",
                         sequence_parallel=True),
                 MICRO_BATCH),
-               (_config(replace(GPT_MOE, recompute="full"), ep=2, dp=2, tp=2, pp=2, domino=True), 1)]
+               (_config(replace(GPT_MOE, recompute="full"), ep=2, dp=2, tp=2, pp=2, domino=True), MICRO_BATCH)]
 
 
 def _check_eight(rank, world_size):
@@ -142,7 +143,7 @@ def _check_eight(rank, world_size):
 
 def test_ep2_composes_with_domino_tp_and_pipeline():
     """8 ranks, tp 2 × pp 2 × dp 2 × ep 2 with Domino: Llama (column split, SP, sigmoid router, shared expert) and
-    GPT (row split, each mu-chunk routed alone, full recompute)."""
+    GPT (row split, each mu-chunk routed alone but its losses the micro-batch's, full recompute)."""
     _covered(EIGHT_RANKS, run_ranks(_check_eight, 8, timeout=300))
 
 

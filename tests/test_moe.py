@@ -100,17 +100,22 @@ def _reference_layer(moe: MoE, cfg, x, capacity_factor):
     return torch.stack(outputs).reshape(x.shape), aux, z_sum / count
 
 
+def _layer_and_input(cfg, samples: int):
+    """A single-process MoE layer with large random weights, an input of ``samples`` samples and an output grad."""
+    torch.manual_seed(0)
+    moe = MoE(cfg, LayerContext())
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(samples, cfg.seq_length, cfg.hidden_size, requires_grad=True)
+    return moe, x, torch.randn(samples, cfg.seq_length, cfg.hidden_size)
+
+
 @pytest.mark.parametrize("cfg", [GPT_MOE, LLAMA_MOE, replace(GPT_MOE, moe_capacity_factor=0.5, moe_shared_experts=2),
                                  replace(GPT_MOE, moe_grouped_gemm=True), replace(LLAMA_MOE, moe_grouped_gemm=True)],
                          ids=["softmax-gelu-bias", "sigmoid-swiglu-shared-capacity", "softmax-shared-drops",
                               "grouped-gemm-bias", "grouped-gemm-swiglu"])
 def test_layer_equals_loops_over_tokens_and_experts(cfg):
-    torch.manual_seed(0)
-    moe = MoE(cfg, LayerContext())
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    x = torch.randn(2, cfg.seq_length, cfg.hidden_size, requires_grad=True)
-    grad_out = torch.randn(2, cfg.seq_length, cfg.hidden_size)
+    moe, x, grad_out = _layer_and_input(cfg, 2)
     out, bias = moe.project(moe.hidden(x, TokenContext(aux_loss_weight=0.7)))
     out = out + bias if bias is not None else out
     got = torch.autograd.grad((out * grad_out).sum(), [x, *moe.parameters()])
@@ -124,6 +129,29 @@ def test_layer_equals_loops_over_tokens_and_experts(cfg):
     values = moe.stats.values
     assert values[E + 1].item() == x.shape[0] * cfg.seq_length * K  # assignments counted
     assert values[E + 2].item() == pytest.approx(aux.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("cfg", [GPT_MOE, replace(LLAMA_MOE, moe_capacity_factor=None)], ids=["softmax", "sigmoid"])
+def test_a_micro_batch_routed_in_pieces_has_the_losses_of_the_whole(cfg):
+    """Domino's row split routes each mu-chunk on its own: with the pieces sharing one balance set, outputs,
+    gradients (balance and z-loss included) and the logged losses equal one routing of the whole micro-batch."""
+    moe, x, grad_out = _layer_and_input(cfg, 4)
+    results = []
+    for pieces in (1, 2, 4):
+        moe.stats.reset()
+        context = TokenContext(aux_loss_weight=0.7, balance={})
+        rows = [slice(i * 4 // pieces, (i + 1) * 4 // pieces) for i in range(pieces)]
+        routed = [moe.hidden(x[r], context.rows(r, pieces)) for r in rows]  # every piece routes before any projects
+        out = torch.cat([moe.project(piece)[0] for piece in routed])
+        got = torch.autograd.grad((out * grad_out).sum(), [x, *moe.parameters()])
+        results.append((out, got, moe.stats.values.clone()))
+    (whole, want, stats), pieces = results[0], results[1:]
+    for out, got, values in pieces:
+        torch.testing.assert_close(out, whole, rtol=1e-6, atol=1e-6)
+        for name, g, w in zip(["x"] + [n for n, _ in moe.named_parameters()], got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(values, stats, rtol=1e-6, atol=1e-9)  # aux, z-loss, one micro-batch
+    assert stats[E + 4].item() == pytest.approx(1.0)
 
 
 def test_layer_freq_picks_the_moe_layers():
@@ -161,7 +189,7 @@ def _batches(model):
 
 def _reference(model, group_size, batches=None, norms=None):
     """One process, SGD over ``batches`` (default ``_batches``); tokens routed in groups of ``group_size`` samples
-    (a micro-batch or a Domino mu-chunk), the objective the engine's: token-mean LM loss + auxiliary losses
+    (a micro-batch), the objective the engine's: token-mean LM loss + auxiliary losses
     averaged over micro-batches. Appends each step's gradient norm to ``norms``."""
     dense = LanguageModel(model)
     initialize_weights(dense, seed=3)
@@ -194,8 +222,9 @@ def _config(model, tp, pp, **parallel):
     return layout_config(model, MICRO_BATCH, GLOBAL_BATCH, tp=tp, pp=pp, dp=1, **parallel)
 
 
-# (config, samples routed together): Domino's row split routes each mu-chunk of one sample on its own
-LAYOUTS = [(_config(replace(GPT_MOE, recompute="full"), 2, 1, domino=True), 1),
+# (config, samples whose losses are computed together): the micro-batch, even where Domino's row split routes
+# each mu-chunk of one sample on its own
+LAYOUTS = [(_config(replace(GPT_MOE, recompute="full"), 2, 1, domino=True), MICRO_BATCH),
            (_config(LLAMA_MOE, 2, 1, domino=True, domino_split="column", sequence_parallel=True), MICRO_BATCH),
            (_config(replace(GPT_MOE, moe_shared_experts=1, moe_capacity_factor=1.0), 1, 2), MICRO_BATCH),
            (_config(LLAMA_MOE, 1, 2, pipeline_schedule="zb-h1"), MICRO_BATCH)]
@@ -260,3 +289,24 @@ def test_tiny_mixtral_trains_and_logs_routing(tmp_path):
     assert 0 < last["moe_dropped_fraction"] < 0.5 and last["moe_aux_loss"] > 0 and last["moe_z_loss"] > 0
     assert len(last["moe_expert_share"]) == 4 and all(len(layer) == E for layer in last["moe_expert_share"])
     assert "moe aux " in result.stdout and " dropped " in result.stdout
+
+
+@pytest.mark.slow
+def test_tiny_mixtral_balance_loss_does_not_depend_on_the_layout(tmp_path):
+    """configs/tiny/mixtral.yaml (balance loss on, fp32), 4 steps: tp 2 with Domino's row split (each mu-chunk
+    routed on its own) and dp 2 x ep 2 have one process's losses and logged balance loss within 1e-5."""
+    from tests.training_runs import metrics, train
+    common = ["train.steps=4", "log.interval=1", "checkpoint.interval=0", "checkpoint.save_at_end=false",
+              "model.moe_aux_loss_coeff=0.1", "model.moe_z_loss_coeff=0.01", "train.micro_batch_size=2"]
+    runs = {"one process": (1, []),
+            "tp 2 Domino rows": (2, ["parallel.tp=2", "parallel.domino=true", "parallel.domino_split=row"]),
+            "dp 2 x ep 2": (2, ["parallel.dp=2", "parallel.ep=2"])}
+    records = {}
+    for name, (ranks, overrides) in runs.items():
+        train("mixtral", ranks, str(tmp_path / name.replace(" ", "_")), [*common, *overrides])
+        records[name] = metrics(str(tmp_path / name.replace(" ", "_")))
+    reference = records.pop("one process")
+    for name, got in records.items():
+        for want, have in zip(reference, got, strict=True):
+            for key in ("loss", "moe_aux_loss", "moe_z_loss"):
+                assert have[key] == pytest.approx(want[key], rel=1e-5), (name, want["step"], key)

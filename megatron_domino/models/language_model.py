@@ -110,10 +110,11 @@ class LanguageModel(nn.Module):
 
     def token_context(self, batch: dict, batch_size: int) -> TokenContext:
         """The tokens' context for every block: rotary tables, document offsets, the step's auxiliary loss
-        weight (``batch["aux_loss_weight"]``, set by the pipeline engine; 1 elsewhere)."""
+        weight (``batch["aux_loss_weight"]``, set by the pipeline engine; 1 elsewhere), and a fresh place for
+        the MoE layers' balance sets of this micro-batch."""
         rotary = (rotary_tables(self._position_ids(batch, batch_size), self.inv_freq)
                   if self.cfg.position_embedding == "rope" else None)
-        return TokenContext(rotary, batch.get("doc_offsets"), batch.get("aux_loss_weight", 1.0))
+        return TokenContext(rotary, batch.get("doc_offsets"), batch.get("aux_loss_weight", 1.0), balance={})
 
     def head(self, hidden: torch.Tensor, batch: dict, rows: slice, return_logits: bool) -> torch.Tensor:
         """Final norm, output layer and the loss (or the logits) of the samples ``rows``."""

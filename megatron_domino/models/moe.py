@@ -28,17 +28,18 @@ auxiliary losses are computed identically on every rank, so each adds 1/tp of th
 expert's fc2 bias is weighted by its gate per token, so a split expert adds it to the partials divided by
 tp and its gradient sums over TP. Under SP the router reads this rank's slice (its gradient sums over TP).
 
-Auxiliary losses reach the gradient without a change to the pipeline (as Megatron does): ``_AttachLoss``
-is the identity on the gates and in backward seeds the losses' gradient. Their weight
-in the objective: the engine gives each step's micro-batches ``aux_loss_weight`` = loss_scale /
-(num_microbatches * dp * cp * micro_batch), which reaches this layer in the ``TokenContext``, so the
+Auxiliary losses reach the gradient without a change to the pipeline (as Megatron does):
+``balance.AttachLosses`` is the identity on the gates and in backward seeds the losses' gradient. They are
+defined over the micro-batch, whichever layout routes it in pieces (Domino's mu-chunks, CP ranks:
+``balance``). Their weight in the objective: the engine gives each step's micro-batches ``aux_loss_weight`` =
+loss_scale / (num_microbatches * dp * micro_batch), which reaches this layer in the ``TokenContext``, so the
 objective is the LM loss (token mean over the global batch) plus the auxiliary losses averaged over
-micro-batches and data-parallel ranks. A routing group (the tokens routed together: a micro-batch on one
-CP rank, or a Domino mu-chunk of it) of b samples weighs aux_loss_weight * b; the balance loss and the
-capacity are computed per routing group.
+micro-batches and data-parallel ranks. The capacity, unlike the losses, is per routing piece (a mu-chunk or a
+CP rank's tokens route with their own capacity).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -49,6 +50,7 @@ from ..parallel import comm
 from ..tensor_parallel import ParamInfo, LayerContext, declare, make_param
 from ..tensor_parallel.async_comm import launch_reduce
 from .expert_dispatch import ExpertExchange
+from .balance import AttachLosses, BalanceSet
 from .expert_linear import experts_linear, grouped_mm
 from .mlp import MLP
 from .router import Routing, route
@@ -67,6 +69,7 @@ class Routed:
     hidden: torch.Tensor  # fc1 + activation of the rows the local experts received, grouped by expert [n, ffn / tp]
     shared: torch.Tensor | None  # the shared experts' activations [b, s, shared ffn / tp]
     aux_loss_weight: float  # the step's weight of the auxiliary losses per sample (``TokenContext``)
+    balance: BalanceSet  # the micro-batch's routing pieces of this layer
 
 
 class MoEStats:
@@ -79,29 +82,17 @@ class MoEStats:
         self.values.zero_()
 
     def add(self, routing: Routing) -> None:
-        """[counts per expert..., dropped, assigned, aux loss, z-loss, groups]."""
+        """[counts per expert..., dropped, assigned, aux loss, z-loss, micro-batches]: the loads of a piece."""
         experts, assigned = routing.counts.numel(), routing.experts.numel()
         kept = routing.kept.sum().to(self.values.dtype)
-        row = torch.stack([assigned - kept, torch.full_like(kept, assigned), routing.aux_loss.detach().double(),
-                           routing.z_loss.detach().double(), torch.ones_like(kept)])
         self.values[:experts] += routing.counts
-        self.values[experts:] += row
+        self.values[experts:experts + 2] += torch.stack([assigned - kept, torch.full_like(kept, assigned)])
 
-
-class _AttachLoss(torch.autograd.Function):
-    """Identity on ``out`` (the gates: an output would be a view that the in-place all-reduce may not modify);
-    backward also seeds ``loss`` with the gradient ``weight``."""
-
-    @staticmethod
-    def forward(ctx, out, loss, weight: float):
-        ctx.weight = weight
-        ctx.save_for_backward(loss)
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (loss,) = ctx.saved_tensors
-        return grad, torch.full_like(loss, ctx.weight), None
+    def add_losses(self, tokens: int, aux: torch.Tensor, z_loss: torch.Tensor, total_tokens: int) -> None:
+        """A piece's share of its micro-batch's losses, and its share (tokens / the set's) of the micro-batch."""
+        experts = self.values.numel() - 5
+        self.values[experts + 2:] += torch.stack([aux.double(), z_loss.double(),
+                                                  torch.full_like(aux, tokens / total_tokens, dtype=torch.float64)])
 
 
 class MoE(nn.Module):
@@ -156,7 +147,12 @@ class MoE(nn.Module):
                              [expert.fc1 for expert in self.experts.values()], self.grouped_gemm)
         hidden = next(iter(self.experts.values())).activate(fc1)
         shared = self.shared_experts.hidden(x) if self.shared_experts is not None else None
-        return Routed(shape, routing, assignments, token_ids, exchange, hidden, shared, context.aux_loss_weight)
+        if context.balance is None:  # no micro-batch around this call: its tokens are the whole set
+            balance = BalanceSet(1, self.ctx.cp_group, self.topk)
+        else:  # a recomputed forward finds the set its first forward made
+            balance = context.balance.setdefault(id(self), BalanceSet(context.pieces, self.ctx.cp_group, self.topk))
+        return Routed(shape, routing, assignments, token_ids, exchange, hidden, shared, context.aux_loss_weight,
+                      balance)
 
     def _my_tokens(self, count: int) -> torch.Tensor:
         """[T, 1] bool: with whole experts, the slice of the tokens this TP rank routes."""
@@ -172,9 +168,11 @@ class MoE(nn.Module):
         routing, gates = routed.routing, routed.routing.gates
         if torch.is_grad_enabled():  # training: evaluation neither counts nor differentiates
             self.stats.add(routing)
-            if self.aux_coeff or self.z_coeff:
-                loss = self.aux_coeff * routing.aux_loss + self.z_coeff * routing.z_loss
-                gates = _AttachLoss.apply(gates, loss, routed.aux_loss_weight * b / tp)
+            routed.balance.add(routing.counts, routing.tokens, b)
+            weight = routed.aux_loss_weight / tp
+            record = functools.partial(self.stats.add_losses, routing.tokens)
+            gates = AttachLosses.apply(gates, routing.prob_sums, routing.z_sum, routed.balance,
+                                       (self.aux_coeff * weight, self.z_coeff * weight), record)
         outputs = experts_linear(routed.hidden, routed.exchange.local_sizes,
                                  [expert.fc2 for expert in self.experts.values()], self.grouped_gemm,
                                  tp if self.split else 1)

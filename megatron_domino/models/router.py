@@ -12,6 +12,8 @@ E experts); it knows nothing of tensor parallelism. Rules:
 - Load-balancing loss (Switch Transformer, Mixtral): E * sum_i f_i * P_i, f_i = (assignments routed to i,
   before drops) / (T * k), P_i = mean over tokens of p_i. It is 1 when routing is uniform.
 - Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2.
+Both are defined over a token set that may span several routing groups (``balance``: a micro-batch routed in
+Domino mu-chunks and over CP ranks), so a group reports sums: its counts, sum_t p_t and sum_t lse_t^2.
 """
 from __future__ import annotations
 
@@ -28,8 +30,27 @@ class Routing:
     experts: torch.Tensor  # [T, k] expert of each assignment
     kept: torch.Tensor  # [T, k] bool: False where the capacity dropped the assignment
     counts: torch.Tensor  # [E] assignments routed to each expert, before drops (fp32, no gradient)
-    aux_loss: torch.Tensor  # scalar, differentiable
-    z_loss: torch.Tensor  # scalar, differentiable
+    prob_sums: torch.Tensor  # [E] sum over the group's tokens of p, differentiable
+    z_sum: torch.Tensor  # scalar: sum over the group's tokens of logsumexp(logits)^2, differentiable
+
+    @property
+    def tokens(self) -> int:
+        return self.experts.shape[0]
+
+    @property
+    def aux_loss(self) -> torch.Tensor:
+        """The balance loss of this group's tokens alone."""
+        return balance_loss(self.counts, self.prob_sums, self.tokens, self.experts.shape[1])
+
+    @property
+    def z_loss(self) -> torch.Tensor:
+        """The z-loss of this group's tokens alone."""
+        return self.z_sum / self.tokens
+
+
+def balance_loss(counts: torch.Tensor, prob_sums: torch.Tensor, tokens: int, topk: int) -> torch.Tensor:
+    """E * sum_i f_i * P_i from the sums over ``tokens`` tokens (see the module docstring)."""
+    return counts.numel() * (counts / (tokens * topk) * prob_sums / tokens).sum()
 
 
 def route(logits: torch.Tensor, topk: int, router: str, capacity_factor: float | None) -> Routing:
@@ -44,11 +65,9 @@ def route(logits: torch.Tensor, topk: int, router: str, capacity_factor: float |
         probs = scores / scores.sum(dim=-1, keepdim=True)
     gates = top / top.sum(dim=-1, keepdim=True)
     counts = F.one_hot(experts, num_experts).sum(dim=(0, 1)).to(logits.dtype)
-    aux_loss = num_experts * (counts / (tokens * topk) * probs.mean(dim=0)).sum()
-    z_loss = torch.logsumexp(logits, dim=-1).square().mean()
     kept = (torch.ones_like(experts, dtype=torch.bool) if capacity_factor is None
             else within_capacity(experts, num_experts, math.ceil(tokens * topk * capacity_factor / num_experts)))
-    return Routing(gates, experts, kept, counts, aux_loss, z_loss)
+    return Routing(gates, experts, kept, counts, probs.sum(dim=0), torch.logsumexp(logits, dim=-1).square().sum())
 
 
 def within_capacity(experts: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Passed explicitly through every layer (and per Domino mu-chunk), so no layer keeps per-step state: the
 rotary tables of these tokens' positions, the document offsets of packed sequences (host memory), and
-the weight of the auxiliary losses per sample (MoE), which the pipeline engine sets for each step.
+the weight of the auxiliary losses per sample (MoE), which the pipeline engine sets for each step, and
+where the MoE layers meet the micro-batch's other routing pieces (``balance``).
 """
 from __future__ import annotations
 
@@ -16,11 +17,14 @@ class TokenContext:
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) per position, [b, s, d]
     doc_offsets: torch.Tensor | None = None  # [b, documents + 1] per sample, in host memory
     aux_loss_weight: float = 1.0  # loss scale / samples the loss is averaged over (``models.moe``)
+    balance: dict | None = None  # MoE layer -> its ``BalanceSet`` for this micro-batch (None: each call alone)
+    pieces: int = 1  # routing pieces of the micro-batch on this rank (Domino's mu-chunks)
 
-    def rows(self, rows: slice) -> "TokenContext":
-        """The context of the samples ``rows`` (a Domino mu-chunk)."""
+    def rows(self, rows: slice, pieces: int) -> "TokenContext":
+        """The context of the samples ``rows`` (a Domino mu-chunk, one of ``pieces``)."""
         return TokenContext(None if self.rotary is None else tuple(t[rows] for t in self.rotary),
-                            None if self.doc_offsets is None else self.doc_offsets[rows], self.aux_loss_weight)
+                            None if self.doc_offsets is None else self.doc_offsets[rows], self.aux_loss_weight,
+                            self.balance, pieces)
 
 
 NO_CONTEXT = TokenContext()

@@ -27,8 +27,9 @@ class PipelineEngine:
                  on_backward=None):
         par, model = cfg.parallel, cfg.model
         self.chunks, self.state, self.num_microbatches = chunks, state, num_microbatches
-        # each micro-batch sample's weight of the MoE auxiliary losses: their mean over micro-batches and DP x CP
-        self.moe_sample_weight = (1.0 / (num_microbatches * state.dp_cp_size * cfg.train.micro_batch_size)
+        # each micro-batch sample's weight of the MoE auxiliary losses: their mean over micro-batches and DP ranks
+        # (a micro-batch's CP ranks share its losses: ``models.balance``)
+        self.moe_sample_weight = (1.0 / (num_microbatches * state.dp_size * cfg.train.micro_batch_size)
                                   if model.num_experts else None)
         sequence = model.seq_length // state.cp_size  # context parallelism: each rank holds two of 2·cp chunks
         sequence = sequence // state.tp_size if par.sequence_parallel and state.tp_size > 1 else sequence

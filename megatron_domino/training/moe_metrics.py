@@ -5,7 +5,7 @@ sums one [layers, experts + 5] table over the world (layers it does not hold are
 DP ranks add to numerator and denominator alike, so the ratios below are those of the global batch.
 
 - ``moe_aux_loss``, ``moe_z_loss``: the raw losses (before their coefficients), mean over MoE layers and
-  routing groups (micro-batches, or Domino mu-chunks); a perfectly balanced router has aux loss 1;
+  micro-batches (each over all its tokens, ``models.balance``); a perfectly balanced router has aux loss 1;
 - ``moe_expert_share``: per MoE layer, each expert's share of the routed assignments (before drops);
   its min and max over layers and experts;
 - ``moe_dropped_fraction``: assignments dropped by the capacity factor / all assignments.
