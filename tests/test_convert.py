@@ -72,6 +72,37 @@ def _mixtral(**overrides):
     return transformers.MixtralForCausalLM(config).eval()
 
 
+def _random_biases(model):
+    """HF starts biases at zero (and norms at one); random ones make the test see where each lands."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith((".bias", "q_norm.weight", "k_norm.weight")):
+                param.normal_()
+    return model
+
+
+def _qwen(kind: str):
+    """Tiny Qwen2 (q/k/v biases, tied), Qwen3 (QK-norm, head_dim 16 != hidden / heads) and Qwen3-MoE (4 experts of
+    which 2 per token, gates left unnormalised, layer 1 dense through mlp_only_layers)."""
+    torch.manual_seed(3)
+    common = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=0,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}, sliding_window=None)
+    if kind == "qwen2":
+        config = transformers.Qwen2Config(**common, tie_word_embeddings=True)
+        return _random_biases(transformers.Qwen2ForCausalLM(config)).eval()
+    if kind == "qwen3":
+        config = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
+        return _random_biases(transformers.Qwen3ForCausalLM(config)).eval()
+    config = transformers.Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=24, norm_topk_prob=False, mlp_only_layers=[1],
+                                         router_aux_loss_coef=0.02, tie_word_embeddings=False)
+    return _random_biases(transformers.Qwen3MoeForCausalLM(config)).eval()
+
+
+QWEN = ("qwen2", "qwen3", "qwen3_moe")
+
+
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     """name -> (HF model, saved directory): GPT-2 in one file, Llama (GQA, untied, Llama-3.1 RoPE scaling)
@@ -85,8 +116,14 @@ def hf_models(tmp_path_factory):
     mixtral.save_pretrained(root / "mixtral", safe_serialization=True)
     assert os.path.exists(root / "llama" / "model.safetensors.index.json")
     assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in _file_keys(root / "mixtral" / "model.safetensors")
-    return {"gpt2": (gpt2, str(root / "gpt2")), "llama": (llama, str(root / "llama")),
-            "llama_tied_bias": (llama_tied, str(root / "llama_tied_bias")), "mixtral": (mixtral, str(root / "mixtral"))}
+    models = {"gpt2": (gpt2, str(root / "gpt2")), "llama": (llama, str(root / "llama")),
+              "llama_tied_bias": (llama_tied, str(root / "llama_tied_bias")),
+              "mixtral": (mixtral, str(root / "mixtral"))}
+    for kind in QWEN:
+        model = _qwen(kind).eval()
+        model.save_pretrained(root / kind, safe_serialization=True)
+        models[kind] = (model, str(root / kind))
+    return models
 
 
 def _hf_tensors(hf_dir):
@@ -125,10 +162,10 @@ def _load_native(root, model_cfg):
     return model
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "llama_tied_bias", "mixtral"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "llama_tied_bias", "mixtral", *QWEN])
 def test_round_trip_is_bit_exact_and_logits_match(hf_models, tmp_path, name):
     hf_model, hf_dir = hf_models[name]
-    kind = name.split("_")[0]
+    kind = name if name in QWEN else name.split("_")[0]
     native = str(tmp_path / "native")
     assert cli.main(["hf-to-native", "--model", kind, "--input", hf_dir, "--output", native,
                      "--tp", "2", "--pp", "2", "--quiet"]) == 0
@@ -144,9 +181,13 @@ def test_round_trip_is_bit_exact_and_logits_match(hf_models, tmp_path, name):
     assert {n.split(".")[1] for n in stored if n.startswith("layers.")} == {str(i) for i in range(layers)}
     assert all(len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == tuple(md.size) for md in stored.values())
     assert "embedding.word_embeddings.weight" in stored and "final_norm.weight" in stored
-    assert ("output_layer.weight" in stored) == (name in ("llama", "mixtral"))  # a tied head: the embedding, once
-    assert ("layers.0.attention.qkv.bias" in stored) == (name in ("gpt2", "llama_tied_bias"))
-    assert ("layers.1.mlp.experts.3.fc1.weight" in stored) == (name == "mixtral")
+    tied = name in ("gpt2", "llama_tied_bias", "qwen2")
+    assert ("output_layer.weight" in stored) == (not tied)  # a tied head: the embedding, once
+    assert ("layers.0.attention.qkv.bias" in stored) == (name in ("gpt2", "llama_tied_bias", "qwen2"))
+    assert ("layers.0.attention.proj.bias" in stored) == (name in ("gpt2", "llama_tied_bias"))
+    assert ("layers.0.attention.q_norm.weight" in stored) == (name in ("qwen3", "qwen3_moe"))
+    assert ("layers.0.mlp.experts.3.fc1.weight" in stored) == (name in ("mixtral", "qwen3_moe"))
+    assert ("layers.1.mlp.experts.3.fc1.weight" in stored) == (name == "mixtral")  # Qwen3-MoE's layer 1 is dense
 
     cfg = load_config(os.path.join(native, "config.yaml"))
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.checkpoint.load) == (2, 2, os.path.abspath(native))

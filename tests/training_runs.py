@@ -9,8 +9,9 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = {"gpt": "configs/tiny/gpt.yaml", "llama": "configs/tiny/llama.yaml", "mixtral": "configs/tiny/mixtral.yaml"}
-ENTRY = {"gpt": "pretrain_gpt.py", "llama": "pretrain_llama.py", "mixtral": "pretrain_llama.py"}
+TINY = {"gpt": "configs/tiny/gpt.yaml", "llama": "configs/tiny/llama.yaml", "mixtral": "configs/tiny/mixtral.yaml",
+        "qwen3": "configs/tiny/qwen3.yaml", "qwen3_moe": "configs/tiny/qwen3_moe.yaml"}
+ENTRY = {"gpt": "pretrain_gpt.py", **{family: "pretrain_llama.py" for family in TINY if family != "gpt"}}
 # Tests use synthetic tokens (no corpus needed), gloo (several ranks may share one GPU), NCCL's rules emulated
 # (strict transport and collective checks) and small, fast runs.
 COMMON = ["data.mock=true", "tokenizer.type=NullTokenizer", "tokenizer.model=null", "log.tensorboard=false",

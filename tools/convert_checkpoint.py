@@ -1,6 +1,7 @@
 """Convert checkpoints between Hugging Face and megatron_domino, or between parallel layouts. Offline only.
 
-    python tools/convert_checkpoint.py hf-to-native --model gpt2|llama|mixtral --input HF_DIR --output DIR --tp 2 --pp 2
+    python tools/convert_checkpoint.py hf-to-native --model gpt2|llama|mixtral|qwen2|qwen3|qwen3_moe \
+        --input HF_DIR --output DIR --tp 2 --pp 2
     python tools/convert_checkpoint.py native-to-hf --input DIR --output HF_DIR [--max-shard-size 5GB]
     python tools/convert_checkpoint.py reshard --input DIR --output DIR2 --tp 1 --pp 4
     python tools/convert_checkpoint.py upgrade --input OLD_DIR --output DIR   # a version-1 checkpoint
@@ -21,6 +22,7 @@ import torch  # noqa: E402
 from megatron_domino.config import ConfigError  # noqa: E402
 from megatron_domino.config.errors import CheckpointError  # noqa: E402
 from megatron_domino.convert.convert import hf_to_native, native_to_hf, reshard, upgrade  # noqa: E402
+from megatron_domino.convert.hf_config import MODEL_TYPES  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,7 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     to_native = commands.add_parser("hf-to-native", help="HF directory -> native checkpoint + config.yaml")
-    to_native.add_argument("--model", choices=("gpt2", "llama", "mixtral"),
+    to_native.add_argument("--model", choices=MODEL_TYPES,
                            help="expected model type (checked against config.json)")
     to_native.add_argument("--input", required=True, help="local HF directory: config.json and *.safetensors")
     to_native.add_argument("--output", required=True, help="native checkpoint root to create")

@@ -45,6 +45,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     activation: str = "gelu"  # ACTIVATIONS
     bias: bool = True
+    qkv_bias: Optional[bool] = None  # None: as bias; true with bias false: Qwen2's q/k/v biases alone
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's query and key before RoPE
     tie_embeddings: bool = True
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
@@ -56,6 +58,7 @@ class ModelConfig:
     moe_topk: int = 2  # experts per token
     moe_ffn_hidden_size: Optional[int] = None  # one expert's FFN width; None: ffn_hidden_size
     moe_router: str = "softmax"  # MOE_ROUTERS: Mixtral's softmax top-k, or DeepSeek-V3's sigmoid scores
+    moe_norm_topk_prob: bool = True  # the top-k gates renormalised to sum 1 (Qwen3-MoE's norm_topk_prob)
     moe_aux_loss_coeff: float = 0.01  # load-balancing loss (Switch / Mixtral)
     moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
     moe_capacity_factor: Optional[float] = None  # None: dropless
@@ -70,6 +73,10 @@ class ModelConfig:
         if self.activation == "swiglu":
             return 256 * -(-(8 * self.hidden_size // 3) // 256)  # Llama's rounding to a multiple of 256
         return 4 * self.hidden_size
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.bias if self.qkv_bias is None else self.qkv_bias
 
     @property
     def moe_ffn_size(self) -> int:

@@ -1,4 +1,5 @@
-"""HF config.json <-> ``ModelConfig`` for GPT-2, Llama 1/2/3 and Mixtral, and the run config a conversion ships with.
+"""HF config.json <-> ``ModelConfig`` for GPT-2, Llama 1/2/3, Mixtral, Qwen2, Qwen3 and Qwen3-MoE, and the run config
+a conversion ships with.
 
 Only settings that change the function a model computes are carried; anything HF can express but
 this transformer cannot (another RoPE type, biases on only some linears, GPT-2's per-layer attention
@@ -17,8 +18,9 @@ from dataclasses import replace
 from ..config import Config, ModelConfig
 from ..config.schema import OptimizerConfig, ParallelConfig, TokenizerConfig, TrainConfig
 
-MODEL_TYPES = ("gpt2", "llama", "mixtral")
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+MODEL_TYPES = ("gpt2", "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 TORCH_DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -42,8 +44,8 @@ def detect_model_type(hf: dict, requested: str | None = None) -> str:
     found = hf.get("model_type")
     if found not in MODEL_TYPES:
         raise _unsupported("model_type", found, f"is not a supported model type ({', '.join(MODEL_TYPES)})",
-                           "convert a GPT-2, Llama 1/2/3 or Mixtral checkpoint (GPT2LMHeadModel / LlamaForCausalLM / "
-                           "MixtralForCausalLM)")
+                           "convert a GPT-2, Llama 1/2/3, Mixtral, Qwen2, Qwen3 or Qwen3-MoE checkpoint "
+                           f"({' / '.join(ARCHITECTURES.values())})")
     if requested is not None and requested != found:
         raise _unsupported("model_type", found, f"differs from --model {requested}", f"pass --model {found}")
     return found
@@ -125,7 +127,35 @@ def _mixtral_model(hf: dict) -> ModelConfig:
                    moe_capacity_factor=None, moe_shared_experts=0, moe_layer_freq=1)
 
 
-_MODELS = {"gpt2": _gpt2_model, "llama": _llama_model, "mixtral": _mixtral_model}
+def _qwen2_model(hf: dict) -> ModelConfig:
+    """Llama's shapes with biases on the query, key and value projections alone."""
+    return replace(_llama_model({**hf, "attention_bias": False}), qkv_bias=True)
+
+
+def _qwen3_model(hf: dict) -> ModelConfig:
+    """Llama's shapes with an RMSNorm over each head's query and key (``attention_bias`` covers q, k, v and o)."""
+    if hf.get("attention_bias"):
+        raise _unsupported("attention_bias", True, "Qwen3 puts it on q, k, v and o but never on the MLP, which "
+                           "model.bias cannot express", "convert a Qwen3 model without attention biases")
+    return replace(_llama_model(hf), qk_norm=True)
+
+
+def _qwen3_moe_model(hf: dict) -> ModelConfig:
+    """Qwen3's attention; experts of moe_intermediate_size under a softmax top-k router (renormalised when
+    norm_topk_prob), except the mlp_only_layers and where (layer + 1) % decoder_sparse_step != 0."""
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+    layers = [int(i not in dense and (i + 1) % step == 0) for i in range(hf["num_hidden_layers"])]
+    experts = hf.get("num_experts", hf.get("num_local_experts"))  # the hub's spelling, transformers 5's
+    return replace(_qwen3_model(hf), num_experts=experts if experts else hf["num_experts"],
+                   moe_topk=hf["num_experts_per_tok"],
+                   moe_ffn_hidden_size=hf["moe_intermediate_size"], moe_router="softmax",
+                   moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                   moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)), moe_z_loss_coeff=0.0,
+                   moe_capacity_factor=None, moe_shared_experts=0, moe_layer_freq=1 if all(layers) else layers)
+
+
+_MODELS = {"gpt2": _gpt2_model, "llama": _llama_model, "mixtral": _mixtral_model, "qwen2": _qwen2_model,
+           "qwen3": _qwen3_model, "qwen3_moe": _qwen3_moe_model}
 
 
 def _check_sliding_window(hf: dict, seq_length: int) -> None:
@@ -147,14 +177,35 @@ def model_config_from_hf(hf: dict, model_type: str | None = None, seq_length: in
         raise _unsupported(str(missing.args[0]), None, f"is required for a {model_type} model but missing",
                            "use the config.json the weights were saved with") from None
     cfg = cfg if seq_length is None else replace(cfg, seq_length=seq_length)
-    _check_sliding_window(hf, cfg.seq_length)
+    if hf.get("use_sliding_window", True):  # Qwen lists a window that it does not use unless asked to
+        _check_sliding_window(hf, cfg.seq_length)
     return cfg
+
+
+def _qwen_type_of(cfg: ModelConfig) -> str | None:
+    """Qwen3 (QK-norm; -MoE with experts) or Qwen2 (q/k/v biases alone) for a Llama-shaped model, else None."""
+    if cfg.qk_norm:
+        experts_differ = cfg.num_experts and (cfg.moe_router != "softmax" or cfg.moe_shared_experts)
+        if cfg.bias or cfg.has_qkv_bias or experts_differ:
+            raise ValueError(f"model: Qwen3 in HF needs bias=false, no q/k/v biases, and for experts "
+                             f"moe_router=softmax without shared experts; this model has bias={cfg.bias}, "
+                             f"qkv_bias={cfg.qkv_bias}, moe_router={cfg.moe_router}, "
+                             f"moe_shared_experts={cfg.moe_shared_experts}. Fix: export a model with those settings")
+        return "qwen3_moe" if cfg.num_experts else "qwen3"
+    if cfg.has_qkv_bias and not cfg.bias:
+        if cfg.num_experts:
+            raise ValueError("model: q/k/v biases with experts has no HF export (Qwen2-MoE is not supported). Fix: "
+                             "export a dense model, or one without qkv_bias")
+        return "qwen2"
+    return None
 
 
 def model_type_of(cfg: ModelConfig) -> str:
     """Which HF architecture a native model is: GPT-2 (learned, layernorm, gelu) or Llama (rope, rmsnorm, swiglu),
-    Mixtral when that Llama has experts."""
+    Mixtral when that Llama has experts, Qwen2 / Qwen3 / Qwen3-MoE by their attention (``_qwen_type_of``)."""
     switches = (cfg.position_embedding, cfg.norm, cfg.activation)
+    if switches == ("rope", "rmsnorm", "swiglu") and _qwen_type_of(cfg):
+        return _qwen_type_of(cfg)
     if switches in (("learned", "layernorm", "gelu_tanh"), ("learned", "layernorm", "gelu")):
         if not cfg.bias or cfg.num_experts or cfg.query_groups != cfg.num_attention_heads or cfg.kv_channels not in (
                 None, cfg.hidden_size // cfg.num_attention_heads):
@@ -163,7 +214,8 @@ def model_type_of(cfg: ModelConfig) -> str:
         return "gpt2"
     if switches == ("rope", "rmsnorm", "swiglu") and cfg.num_experts:
         every_layer = all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-        if cfg.bias or cfg.moe_router != "softmax" or cfg.moe_shared_experts or not every_layer:
+        if cfg.bias or cfg.moe_router != "softmax" or cfg.moe_shared_experts or not every_layer \
+                or not cfg.moe_norm_topk_prob:
             raise ValueError(f"model: Mixtral in HF needs bias=false, moe_router=softmax, no shared experts and "
                              f"experts in every layer; this model has bias={cfg.bias}, moe_router={cfg.moe_router}, "
                              f"moe_shared_experts={cfg.moe_shared_experts}, moe_layer_freq={cfg.moe_layer_freq}. "
@@ -194,16 +246,32 @@ def hf_config_from_model(cfg: ModelConfig, dtype_name: str) -> dict:
                     high_freq_factor=cfg.rope_high_freq_factor,
                     original_max_position_embeddings=cfg.rope_original_max_position)
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if cfg.rope_scaling_factor else None
-    mlp = ({"intermediate_size": cfg.ffn_size, "attention_bias": cfg.bias, "mlp_bias": cfg.bias}
-           if model_type == "llama" else
-           {"intermediate_size": cfg.moe_ffn_size, "num_local_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.moe_topk, "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
-            "router_jitter_noise": 0.0, "output_router_logits": False, "sliding_window": None})
+    mlp = _hf_feed_forward(cfg, model_type)
     return {**common, **mlp, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
             "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.query_groups,
             "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_positions,
             "rms_norm_eps": cfg.norm_eps, "attention_dropout": cfg.attention_dropout,
             "rope_theta": cfg.rope_base, "rope_scaling": scaling, "rope_parameters": rope}
+
+
+def _hf_feed_forward(cfg: ModelConfig, model_type: str) -> dict:
+    """config.json's MLP / expert keys (and what else differs between the Llama-shaped families)."""
+    if model_type == "llama":
+        return {"intermediate_size": cfg.ffn_size, "attention_bias": cfg.bias, "mlp_bias": cfg.bias}
+    if model_type == "mixtral":
+        return {"intermediate_size": cfg.moe_ffn_size, "num_local_experts": cfg.num_experts,
+                "num_experts_per_tok": cfg.moe_topk, "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
+                "router_jitter_noise": 0.0, "output_router_logits": False, "sliding_window": None}
+    qwen = {"intermediate_size": cfg.ffn_size, "use_sliding_window": False, "sliding_window": None}
+    if model_type == "qwen2":
+        return qwen
+    qwen["attention_bias"] = False
+    if model_type == "qwen3_moe":
+        qwen.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_topk,
+                    moe_intermediate_size=cfg.moe_ffn_size, norm_topk_prob=cfg.moe_norm_topk_prob,
+                    decoder_sparse_step=1, router_aux_loss_coef=cfg.moe_aux_loss_coeff, output_router_logits=False,
+                    mlp_only_layers=[i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)])
+    return qwen
 
 
 def run_config(model: ModelConfig, *, hf_dir: str, output: str, tp: int, pp: int, dtype_name: str,

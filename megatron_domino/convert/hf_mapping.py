@@ -1,4 +1,5 @@
-"""Tensor-by-tensor mapping between HF GPT-2 / Llama / Mixtral names and native global names.
+"""Tensor-by-tensor mapping between HF GPT-2 / Llama / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE names and native global
+names.
 
 Native full-size tensors use the grouped QKV layout (per KV group: its query heads, its key
 head, its value head), so a TP slice is a run of whole groups. Every function here works on
@@ -73,12 +74,14 @@ def _llama_attention_to_native(hf: dict, p: str, n: str, cfg) -> dict:
         n + "attention.proj.weight": hf[p + "self_attn.o_proj.weight"],
         n + "post_attention_norm.weight": hf[p + "post_attention_layernorm.weight"],
     }
+    if cfg.has_qkv_bias:  # Llama with biases; Qwen2's q/k/v
+        out[n + "attention.qkv.bias"] = _grouped_qkv(hf[p + "self_attn.q_proj.bias"], hf[p + "self_attn.k_proj.bias"],
+                                                     hf[p + "self_attn.v_proj.bias"], cfg.query_groups)
     if cfg.bias:
-        out.update({
-            n + "attention.qkv.bias": _grouped_qkv(hf[p + "self_attn.q_proj.bias"], hf[p + "self_attn.k_proj.bias"],
-                                                   hf[p + "self_attn.v_proj.bias"], cfg.query_groups),
-            n + "attention.proj.bias": hf[p + "self_attn.o_proj.bias"],
-        })
+        out[n + "attention.proj.bias"] = hf[p + "self_attn.o_proj.bias"]
+    if cfg.qk_norm:  # Qwen3
+        out.update({n + "attention.q_norm.weight": hf[p + "self_attn.q_norm.weight"],
+                    n + "attention.k_norm.weight": hf[p + "self_attn.k_norm.weight"]})
     return out
 
 
@@ -91,10 +94,14 @@ def _native_attention_to_llama(native: dict, p: str, n: str, cfg) -> dict:
         p + "self_attn.o_proj.weight": native[n + "attention.proj.weight"],
         p + "post_attention_layernorm.weight": native[n + "post_attention_norm.weight"],
     }
-    if cfg.bias:
+    if cfg.has_qkv_bias:
         qb, kb, vb = _split_grouped_qkv(native[n + "attention.qkv.bias"], heads, groups, d)
-        out.update({p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb, p + "self_attn.v_proj.bias": vb,
-                    p + "self_attn.o_proj.bias": native[n + "attention.proj.bias"]})
+        out.update({p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb, p + "self_attn.v_proj.bias": vb})
+    if cfg.bias:
+        out[p + "self_attn.o_proj.bias"] = native[n + "attention.proj.bias"]
+    if cfg.qk_norm:
+        out.update({p + "self_attn.q_norm.weight": native[n + "attention.q_norm.weight"],
+                    p + "self_attn.k_norm.weight": native[n + "attention.k_norm.weight"]})
     return out
 
 
@@ -132,26 +139,54 @@ def native_layer_to_llama(native: dict, i: int, cfg) -> dict:
     return {**_native_attention_to_llama(native, p, n, cfg), **mlp}
 
 
-def mixtral_layer_to_native(hf: dict, i: int, cfg) -> dict:
-    """Llama's attention; the hub layout's router ``gate`` and experts' ``w1`` (gate), ``w3`` (up), ``w2`` (down)
-    -> ``mlp.router`` and ``mlp.experts.E.fc1`` / ``fc2``."""
+# (router, experts, their gate, up and down projections)
+MIXTRAL_EXPERTS = ("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2")
+QWEN3_MOE_EXPERTS = ("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj")
+
+
+def _moe_layer_to_native(hf: dict, i: int, cfg, names: tuple) -> dict:
+    """Llama's attention; HF's router and experts (``names``: router, experts' prefix, gate, up and down
+    projections) -> ``mlp.router`` and ``mlp.experts.E.fc1`` / ``fc2``."""
     p, n = f"model.layers.{i}.", f"layers.{i}."
+    router, experts, gate, up, down = names
     out = _llama_attention_to_native(hf, p, n, cfg)
-    out[n + "mlp.router.weight"] = hf[p + "block_sparse_moe.gate.weight"]
+    out[n + "mlp.router.weight"] = hf[f"{p}{router}.weight"]
     for e in range(cfg.num_experts):
-        x = f"{p}block_sparse_moe.experts.{e}."
-        out.update(_swiglu_to_native(hf, f"{n}mlp.experts.{e}.", x + "w1", x + "w3", x + "w2", ("weight",)))
+        x = f"{p}{experts}.{e}."
+        out.update(_swiglu_to_native(hf, f"{n}mlp.experts.{e}.", x + gate, x + up, x + down, ("weight",)))
     return out
+
+
+def _native_moe_layer_to_hf(native: dict, i: int, cfg, names: tuple) -> dict:
+    p, n = f"model.layers.{i}.", f"layers.{i}."
+    router, experts, gate, up, down = names
+    out = _native_attention_to_llama(native, p, n, cfg)
+    out[f"{p}{router}.weight"] = native[n + "mlp.router.weight"]
+    for e in range(cfg.num_experts):
+        x = f"{p}{experts}.{e}."
+        out.update(_swiglu_to_hf(native, f"{n}mlp.experts.{e}.", x + gate, x + up, x + down, ("weight",)))
+    return out
+
+
+def mixtral_layer_to_native(hf: dict, i: int, cfg) -> dict:
+    return _moe_layer_to_native(hf, i, cfg, MIXTRAL_EXPERTS)
 
 
 def native_layer_to_mixtral(native: dict, i: int, cfg) -> dict:
-    p, n = f"model.layers.{i}.", f"layers.{i}."
-    out = _native_attention_to_llama(native, p, n, cfg)
-    out[p + "block_sparse_moe.gate.weight"] = native[n + "mlp.router.weight"]
-    for e in range(cfg.num_experts):
-        x = f"{p}block_sparse_moe.experts.{e}."
-        out.update(_swiglu_to_hf(native, f"{n}mlp.experts.{e}.", x + "w1", x + "w3", x + "w2", ("weight",)))
-    return out
+    return _native_moe_layer_to_hf(native, i, cfg, MIXTRAL_EXPERTS)
+
+
+def qwen3_moe_layer_to_native(hf: dict, i: int, cfg) -> dict:
+    """Qwen3's attention; an MoE layer's experts, or a dense layer's MLP (``mlp_only_layers``) as Llama's."""
+    if not cfg.is_moe_layer(i):
+        return llama_layer_to_native(hf, i, cfg)
+    return _moe_layer_to_native(hf, i, cfg, QWEN3_MOE_EXPERTS)
+
+
+def native_layer_to_qwen3_moe(native: dict, i: int, cfg) -> dict:
+    if not cfg.is_moe_layer(i):
+        return native_layer_to_llama(native, i, cfg)
+    return _native_moe_layer_to_hf(native, i, cfg, QWEN3_MOE_EXPERTS)
 
 
 # Non-layer tensors: native name -> HF name.
@@ -167,10 +202,12 @@ LLAMA_GLOBALS = {
     "final_norm.weight": "model.norm.weight",
     "output_layer.weight": "lm_head.weight",
 }
-LAYER_TO_NATIVE = {"gpt2": gpt2_layer_to_native, "llama": llama_layer_to_native,
-                   "mixtral": mixtral_layer_to_native}
-LAYER_TO_HF = {"gpt2": native_layer_to_gpt2, "llama": native_layer_to_llama, "mixtral": native_layer_to_mixtral}
-GLOBALS = {"gpt2": GPT2_GLOBALS, "llama": LLAMA_GLOBALS, "mixtral": LLAMA_GLOBALS}
+LAYER_TO_NATIVE = {"gpt2": gpt2_layer_to_native, "llama": llama_layer_to_native, "mixtral": mixtral_layer_to_native,
+                   "qwen2": llama_layer_to_native, "qwen3": llama_layer_to_native,
+                   "qwen3_moe": qwen3_moe_layer_to_native}
+LAYER_TO_HF = {"gpt2": native_layer_to_gpt2, "llama": native_layer_to_llama, "mixtral": native_layer_to_mixtral,
+               "qwen2": native_layer_to_llama, "qwen3": native_layer_to_llama, "qwen3_moe": native_layer_to_qwen3_moe}
+GLOBALS = {"gpt2": GPT2_GLOBALS, **{kind: LLAMA_GLOBALS for kind in LAYER_TO_HF if kind != "gpt2"}}
 # Conversion groups, in model order: the embedding ("pre"), each layer index, then norm and head ("post").
 PRE, POST = "pre", "post"
 

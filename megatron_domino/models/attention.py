@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, LayerContext
+from ..tensor_parallel import ColumnParallelLinear, LayerContext, ParamInfo, RowParallelLinear, declare
 from .document_attention import document_attention
+from .norms import Norm
 from .ring_attention import Ring, ring_attention
 from .recompute import run
 from .rope import apply_rotary
@@ -47,6 +48,14 @@ def check_attention_split(c, cfg, tp: int) -> None:
     c.split_by_tp("model.hidden_size", cfg.hidden_size, tp)
 
 
+def _head_norm(cfg, ctx: LayerContext) -> Norm:
+    """Qwen3's QK-norm: one RMSNorm over head_dim shared by every head. TP ranks hold different heads, so each
+    computes a partial gradient of its weight, which sums over TP."""
+    norm = Norm("rmsnorm", cfg.head_dim, cfg.norm_eps, ctx)
+    declare(norm, "weight", norm.weight, ParamInfo(None, "ones", grad_sums_over_tp=True))
+    return norm
+
+
 class Attention(nn.Module):
     def __init__(self, cfg, ctx: LayerContext):
         super().__init__()
@@ -57,8 +66,10 @@ class Attention(nn.Module):
         self.backend, self.ctx = cfg.attention_backend, ctx
         self.ring = Ring(ctx.cp_group, ctx.cp_rank, ctx.cp_size) if ctx.cp_size > 1 else None
         output_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, (heads + 2 * groups) * head_dim, ctx, bias=cfg.bias,
-                                        init_std=cfg.init_std)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, (heads + 2 * groups) * head_dim, ctx,
+                                        bias=cfg.has_qkv_bias, init_std=cfg.init_std)
+        self.q_norm = _head_norm(cfg, ctx) if cfg.qk_norm else None
+        self.k_norm = _head_norm(cfg, ctx) if cfg.qk_norm else None
         self.proj = RowParallelLinear(heads * head_dim, cfg.hidden_size, ctx, bias=cfg.bias, init_std=output_std)
 
     def hidden(self, x: torch.Tensor, context: TokenContext = NO_CONTEXT) -> torch.Tensor:
@@ -70,6 +81,8 @@ class Attention(nn.Module):
         q = qkv[:, :, :, :self.queries_per_group].reshape(b, s, -1, self.head_dim).transpose(1, 2)
         k = qkv[:, :, :, self.queries_per_group].transpose(1, 2)
         v = qkv[:, :, :, self.queries_per_group + 1].transpose(1, 2)
+        if self.q_norm is not None:  # Qwen3's QK-norm, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if self.queries_per_group > 1 and self.backend == "efficient":

@@ -5,7 +5,8 @@ h hidden, L layers, a heads, g KV groups, d head dim, f FFN width, V vocab, P po
 
 Parameters, summed over the whole model (not one TP shard):
 - token embedding V*h; learned positions P*h (none with rope); untied output head V*h (no bias);
-- per layer: attention q a*d*h, k and v g*d*h each, output a*d*h, with biases a*d + 2*g*d + h;
+- per layer: attention q a*d*h, k and v g*d*h each, output a*d*h, with biases a*d + 2*g*d (``qkv_bias``) + h;
+  Qwen3's QK-norm adds 2*d;
   MLP 2*h*f (gelu) or 3*h*f (swiglu: gate, up, down), with biases f + h (gelu) or 2*f + h (swiglu);
   two norms; plus one final norm. A LayerNorm has weight and bias (2*h, whatever ``bias`` says, as in
   Megatron and GPT-2), an RMSNorm weight only (h).
@@ -69,8 +70,12 @@ def count_parameters(model: ModelConfig, tp: int = 1, padded_vocab: bool = False
     h, d = model.hidden_size, model.head_dim
     vocab = _vocab(model, tp, padded_vocab)
     per_layer = _attention_weights(model) + 2 * norm_parameters(model)
+    if model.has_qkv_bias:
+        per_layer += (model.num_attention_heads + 2 * model.query_groups) * d
     if model.bias:
-        per_layer += (model.num_attention_heads + 2 * model.query_groups) * d + h
+        per_layer += h
+    if model.qk_norm:
+        per_layer += 2 * d
     total = vocab * h + norm_parameters(model)
     total += sum(per_layer + _feed_forward(model, i, active, biases=True) for i in range(model.num_layers))
     if model.position_embedding == "learned":

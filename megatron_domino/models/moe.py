@@ -100,6 +100,7 @@ class MoE(nn.Module):
         super().__init__()
         self.ctx, self.num_experts, self.topk = ctx, cfg.num_experts, cfg.moe_topk
         self.router_kind, self.capacity_factor = cfg.moe_router, cfg.moe_capacity_factor
+        self.normalize_gates = cfg.moe_norm_topk_prob
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.router = nn.Module()
         declare(self.router, "weight", make_param((cfg.num_experts, cfg.hidden_size), ctx),
@@ -134,7 +135,7 @@ class MoE(nn.Module):
         tokens = enter(x, group)
         shape = tokens.shape
         tokens, logits = tokens.flatten(0, 1), logits.flatten(0, 1)
-        routing = route(logits, self.topk, self.router_kind, self.capacity_factor)
+        routing = route(logits, self.topk, self.router_kind, self.capacity_factor, self.normalize_gates)
         # one stable sort by expert puts every expert's kept assignments together, in token order
         kept = routing.kept if self.split else routing.kept & self._my_tokens(len(tokens))
         key = torch.where(kept, routing.experts, self.num_experts).flatten()

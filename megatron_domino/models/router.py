@@ -3,7 +3,8 @@
 Everything here is plain fp32 tensor math on the router's logits [T, E] (T tokens of one routing group,
 E experts); it knows nothing of tensor parallelism. Rules:
 
-- ``softmax`` (Mixtral): p = softmax(logits); the top-k experts by p; gates = their p renormalised to sum 1.
+- ``softmax`` (Mixtral): p = softmax(logits); the top-k experts by p; gates = their p renormalised to sum 1
+  (``normalize``; Qwen3-MoE's norm_topk_prob false keeps them as they are).
 - ``sigmoid`` (DeepSeek-V3): s = sigmoid(logits); the top-k experts by s; gates = their s normalised to sum 1.
   The balance loss reads p = s / sum_e s (each token's scores normalised over all experts).
 - Capacity (``capacity_factor`` set): each expert takes at most C = ceil(T * k * factor / E) assignments.
@@ -53,7 +54,8 @@ def balance_loss(counts: torch.Tensor, prob_sums: torch.Tensor, tokens: int, top
     return counts.numel() * (counts / (tokens * topk) * prob_sums / tokens).sum()
 
 
-def route(logits: torch.Tensor, topk: int, router: str, capacity_factor: float | None) -> Routing:
+def route(logits: torch.Tensor, topk: int, router: str, capacity_factor: float | None,
+          normalize: bool = True) -> Routing:
     """Route T tokens given their logits [T, E] (fp32)."""
     tokens, num_experts = logits.shape
     if router == "softmax":
@@ -63,7 +65,7 @@ def route(logits: torch.Tensor, topk: int, router: str, capacity_factor: float |
         scores = torch.sigmoid(logits)
         top, experts = scores.topk(topk, dim=-1)
         probs = scores / scores.sum(dim=-1, keepdim=True)
-    gates = top / top.sum(dim=-1, keepdim=True)
+    gates = top / top.sum(dim=-1, keepdim=True) if normalize else top
     counts = F.one_hot(experts, num_experts).sum(dim=(0, 1)).to(logits.dtype)
     kept = (torch.ones_like(experts, dtype=torch.bool) if capacity_factor is None
             else within_capacity(experts, num_experts, math.ceil(tokens * topk * capacity_factor / num_experts)))
