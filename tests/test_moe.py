@@ -13,7 +13,7 @@ from megatron_domino.config import ModelConfig
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.models.counters import count_parameters, flops_per_token
 from megatron_domino.models.moe import MoE
-from megatron_domino.models.router import route, within_capacity
+from megatron_domino.models.router import Selection, route, within_capacity
 from megatron_domino.models.tokens import TokenContext
 from megatron_domino.tensor_parallel import LayerContext
 from tests.harness import run_ranks
@@ -54,6 +54,30 @@ def test_aux_and_z_loss_equal_their_closed_forms():
         assert routing.aux_loss.item() == pytest.approx(aux, rel=1e-5), router
         assert routing.z_loss.item() == pytest.approx(z, rel=1e-5), router
         assert routing.counts.tolist() == counts
+
+
+def test_deepseek_selection_equals_its_closed_form():
+    """Group-limited routing (8 experts in 4 groups, a token's 2 groups with the best top-2 score sums), an expert
+    bias that moves the choice but not the gates, gates scaled and left unnormalised or renormalised."""
+    logits = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
+    bias = torch.tensor([0.3, -0.2, 0.0, 0.5, -0.4, 0.1, 0.2, -0.1])
+    for normalize in (True, False):
+        selection = Selection(normalize=normalize, scale=2.5, groups=4, topk_group=2, bias=bias)
+        routing = route(logits, 3, "sigmoid", None, selection)
+        plain = route(logits, 3, "sigmoid", None, Selection(groups=4, topk_group=2))
+        for t, row in enumerate(logits.tolist()):
+            scores = [1 / (1 + math.exp(-v)) for v in row]
+            ranked = [s + b for s, b in zip(scores, bias.tolist())]
+            group_score = [sum(sorted(ranked[2 * g:2 * g + 2])[-2:]) for g in range(4)]
+            groups = sorted(range(4), key=lambda g: -group_score[g])[:2]
+            allowed = [e for e in range(8) if e // 2 in groups]
+            chosen = sorted(allowed, key=lambda e: -ranked[e])[:3]
+            assert routing.experts[t].tolist() == chosen, t
+            top = [scores[e] for e in chosen]
+            gates = [2.5 * s / (sum(top) if normalize else 1.0) for s in top]
+            assert routing.gates[t].tolist() == pytest.approx(gates, rel=1e-5), t
+        assert torch.equal(routing.unbiased_counts, plain.counts)  # the load the bias-free router gives
+        assert not torch.equal(routing.counts, plain.counts)  # this bias does move some tokens
 
 
 def test_capacity_drops_what_a_token_ordered_queue_drops():
@@ -193,6 +217,7 @@ def _reference(model, group_size, batches=None, norms=None):
     averaged over micro-batches. Appends each step's gradient norm to ``norms``."""
     dense = LanguageModel(model)
     initialize_weights(dense, seed=3)
+    trained = [p for p in dense.parameters() if p.requires_grad]  # not an aux-loss-free expert bias
     losses = []
     for tokens, labels, mask in batches or _batches(model):
         dense.zero_grad(set_to_none=True)
@@ -204,9 +229,9 @@ def _reference(model, group_size, batches=None, norms=None):
             loss.backward()
             total += loss.item()
         if norms is not None:
-            norms.append(torch.stack([p.grad.pow(2).sum() for p in dense.parameters()]).sum().sqrt().item())
+            norms.append(torch.stack([p.grad.pow(2).sum() for p in trained]).sum().sqrt().item())
         with torch.no_grad():
-            for p in dense.parameters():
+            for p in trained:
                 p -= LR * p.grad
         losses.append(total)
     return losses, {n: p.detach().clone() for n, p in dense.named_global_parameters()}

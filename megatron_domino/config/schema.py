@@ -64,6 +64,11 @@ class ModelConfig:
     moe_capacity_factor: Optional[float] = None  # None: dropless
     moe_shared_experts: int = 0  # always-on experts, as one MLP of this many experts' width
     moe_layer_freq: Union[int, list] = 1  # MoE every k-th layer from layer 0, or one 0/1 per layer (Megatron)
+    moe_first_k_dense: int = 0  # the first k layers keep the dense MLP whatever moe_layer_freq says (DeepSeek-V3: 3)
+    moe_n_group: Optional[int] = None  # group-limited routing: experts in this many groups (DeepSeek-V3: 8)
+    moe_topk_group: Optional[int] = None  # ... of which each token may use this many (DeepSeek-V3: 4)
+    moe_routed_scaling_factor: float = 1.0  # gates times this (DeepSeek-V3: 2.5)
+    moe_router_bias_update_rate: float = 0.0  # > 0: aux-loss-free balancing's per-expert bias step (DeepSeek: 1e-3)
     moe_grouped_gemm: bool = False  # a rank's experts in one grouped GEMM (torch's grouped_mm), not a loop
 
     @property
@@ -85,6 +90,8 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer ``layer`` has experts instead of the dense MLP (``moe_layer_freq``)."""
         if not self.num_experts:
+            return False
+        if layer < self.moe_first_k_dense:
             return False
         if isinstance(self.moe_layer_freq, list):
             return bool(self.moe_layer_freq[layer])

@@ -45,6 +45,7 @@ def check_moe(c, cfg: Config) -> None:
                "the expert batches), a host sync that sync_debug makes an error",
                "set log.sync_debug=false for MoE runs")
     _check_layer_freq(c, m)
+    _check_routing(c, m)
     check_expert_split(c, m.num_experts, p.ep, p.tp, p.expert_tp)
 
 
@@ -59,6 +60,31 @@ def _check_layer_freq(c, m) -> None:
     elif freq < 1:
         c.fail("model.moe_layer_freq", freq, "must be a positive integer k (MoE every k-th layer) or a list",
                "use 1 to make every layer MoE")
+
+
+def _check_routing(c, m) -> None:
+    """DeepSeek-V3's routing settings: group limits that leave every token topk experts, a positive scale."""
+    if not 0 <= m.moe_first_k_dense <= m.num_layers:
+        c.fail("model.moe_first_k_dense", m.moe_first_k_dense, f"must lie in [0, model.num_layers = {m.num_layers}]",
+               "use 0 (every layer may be MoE) or the number of leading dense layers")
+    c.at_least("model.moe_router_bias_update_rate", m.moe_router_bias_update_rate, 0.0)
+    if not m.moe_routed_scaling_factor > 0:
+        c.fail("model.moe_routed_scaling_factor", m.moe_routed_scaling_factor, "must be positive",
+               "use 1.0 (no scaling) or DeepSeek-V3's 2.5")
+    groups, chosen = m.moe_n_group, m.moe_topk_group
+    if (groups is None) != (chosen is None):
+        c.fail("model.moe_n_group / model.moe_topk_group", (groups, chosen), "are set together or not at all",
+               "set both (DeepSeek-V3: 8 and 4) or neither")
+    elif groups is not None:
+        if groups < 1 or m.num_experts % groups:
+            c.fail("model.moe_n_group", groups, f"must divide model.num_experts = {m.num_experts}",
+                   "choose a group count that divides the experts")
+        elif not 1 <= chosen <= groups:
+            c.fail("model.moe_topk_group", chosen, f"must lie in [1, model.moe_n_group = {groups}]",
+                   f"choose at most {groups} groups per token")
+        elif chosen * (m.num_experts // groups) < m.moe_topk:
+            c.fail("model.moe_topk_group", chosen, f"leaves {chosen * (m.num_experts // groups)} experts per token, "
+                   f"fewer than model.moe_topk = {m.moe_topk}", "allow more groups per token, or lower moe_topk")
 
 
 def check_expert_split(c, num_experts: int, ep: int, tp: int, expert_tp: int | None) -> None:

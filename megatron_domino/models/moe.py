@@ -53,7 +53,7 @@ from .expert_dispatch import ExpertExchange
 from .balance import AttachLosses, BalanceSet
 from .expert_linear import experts_linear, grouped_mm
 from .mlp import MLP
-from .router import Routing, route
+from .router import Routing, Selection, route
 from .tokens import NO_CONTEXT, TokenContext
 
 
@@ -76,22 +76,25 @@ class MoEStats:
     """Routing statistics of one layer over a training step, kept on the device (read when logging)."""
 
     def __init__(self, num_experts: int, device):
-        self.values = torch.zeros(num_experts + 5, dtype=torch.float64, device=device)
+        self.values = torch.zeros(2 * num_experts + 5, dtype=torch.float64, device=device)
 
     def reset(self) -> None:
         self.values.zero_()
 
     def add(self, routing: Routing) -> None:
-        """[counts per expert..., dropped, assigned, aux loss, z-loss, micro-batches]: the loads of a piece."""
+        """[counts per expert..., dropped, assigned, aux loss, z-loss, micro-batches, counts without the expert
+        bias...]: the loads of a piece."""
         experts, assigned = routing.counts.numel(), routing.experts.numel()
         kept = routing.kept.sum().to(self.values.dtype)
         self.values[:experts] += routing.counts
         self.values[experts:experts + 2] += torch.stack([assigned - kept, torch.full_like(kept, assigned)])
+        unbiased = routing.unbiased_counts if routing.unbiased_counts is not None else routing.counts
+        self.values[experts + 5:] += unbiased
 
     def add_losses(self, tokens: int, aux: torch.Tensor, z_loss: torch.Tensor, total_tokens: int) -> None:
         """A piece's share of its micro-batch's losses, and its share (tokens / the set's) of the micro-batch."""
-        experts = self.values.numel() - 5
-        self.values[experts + 2:] += torch.stack([aux.double(), z_loss.double(),
+        experts = (self.values.numel() - 5) // 2
+        self.values[experts + 2:experts + 5] += torch.stack([aux.double(), z_loss.double(),
                                                   torch.full_like(aux, tokens / total_tokens, dtype=torch.float64)])
 
 
@@ -100,11 +103,16 @@ class MoE(nn.Module):
         super().__init__()
         self.ctx, self.num_experts, self.topk = ctx, cfg.num_experts, cfg.moe_topk
         self.router_kind, self.capacity_factor = cfg.moe_router, cfg.moe_capacity_factor
-        self.normalize_gates = cfg.moe_norm_topk_prob
+        self.selection = Selection(cfg.moe_norm_topk_prob, cfg.moe_routed_scaling_factor, cfg.moe_n_group,
+                                   cfg.moe_topk_group)
+        self.bias_update_rate = cfg.moe_router_bias_update_rate
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.router = nn.Module()
         declare(self.router, "weight", make_param((cfg.num_experts, cfg.hidden_size), ctx),
                 ParamInfo(None, "normal", cfg.init_std, grad_sums_over_tp=ctx.sequence_parallel))
+        if self.bias_update_rate > 0:  # aux-loss-free balancing (``expert_bias``): no gradient, kept in checkpoints
+            declare(self.router, "expert_bias", make_param((cfg.num_experts,), ctx).requires_grad_(False),
+                    ParamInfo(None, "zeros"))
         ep, ep_rank = comm.group_size(ctx.ep_group), comm.group_rank(ctx.ep_group)
         local = cfg.num_experts // ep
         self.split = ctx.experts_split or ctx.size == 1
@@ -135,7 +143,10 @@ class MoE(nn.Module):
         tokens = enter(x, group)
         shape = tokens.shape
         tokens, logits = tokens.flatten(0, 1), logits.flatten(0, 1)
-        routing = route(logits, self.topk, self.router_kind, self.capacity_factor, self.normalize_gates)
+        selection = self.selection
+        if self.bias_update_rate > 0:
+            selection = replace(selection, bias=self.router.expert_bias.float())
+        routing = route(logits, self.topk, self.router_kind, self.capacity_factor, selection)
         # one stable sort by expert puts every expert's kept assignments together, in token order
         kept = routing.kept if self.split else routing.kept & self._my_tokens(len(tokens))
         key = torch.where(kept, routing.experts, self.num_experts).flatten()

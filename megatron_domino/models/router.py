@@ -7,6 +7,9 @@ E experts); it knows nothing of tensor parallelism. Rules:
   (``normalize``; Qwen3-MoE's norm_topk_prob false keeps them as they are).
 - ``sigmoid`` (DeepSeek-V3): s = sigmoid(logits); the top-k experts by s; gates = their s normalised to sum 1.
   The balance loss reads p = s / sum_e s (each token's scores normalised over all experts).
+- DeepSeek-V3's selection (``Selection``): a per-expert ``bias`` added to the scores for choosing only (aux-loss-
+  free balancing; the gates use the scores themselves), group-limited routing (experts in ``groups`` groups of
+  which a token may use the ``topk_group`` whose two best scores sum highest), gates times ``scale``.
 - Capacity (``capacity_factor`` set): each expert takes at most C = ceil(T * k * factor / E) assignments.
   An expert's assignments are queued in token order (token 0 first; a token never picks one expert twice),
   and those at queue position >= C are dropped: they contribute nothing, the token keeps its residual.
@@ -19,7 +22,7 @@ Domino mu-chunks and over CP ranks), so a group reports sums: its counts, sum_t 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +36,7 @@ class Routing:
     counts: torch.Tensor  # [E] assignments routed to each expert, before drops (fp32, no gradient)
     prob_sums: torch.Tensor  # [E] sum over the group's tokens of p, differentiable
     z_sum: torch.Tensor  # scalar: sum over the group's tokens of logsumexp(logits)^2, differentiable
+    unbiased_counts: torch.Tensor | None = None  # [E] what the counts would be without the bias (metrics)
 
     @property
     def tokens(self) -> int:
@@ -54,22 +58,50 @@ def balance_loss(counts: torch.Tensor, prob_sums: torch.Tensor, tokens: int, top
     return counts.numel() * (counts / (tokens * topk) * prob_sums / tokens).sum()
 
 
+@dataclass(frozen=True)
+class Selection:
+    """How experts are chosen and gated beyond top-k (see the module docstring); the defaults change nothing."""
+
+    normalize: bool = True  # gates renormalised to sum 1 over the chosen (norm_topk_prob)
+    scale: float = 1.0  # gates times this (DeepSeek-V3's routed_scaling_factor)
+    groups: int | None = None  # group-limited routing: experts in this many groups...
+    topk_group: int | None = None  # ... of which a token may use this many
+    bias: torch.Tensor | None = field(default=None, compare=False)  # [E] added to the scores for choosing only
+
+
+def _choose(scores: torch.Tensor, topk: int, selection: Selection, bias: torch.Tensor | None) -> torch.Tensor:
+    """[T, k] experts: the top-k of the (biased) scores, within each token's best ``topk_group`` groups."""
+    ranked = scores if bias is None else scores + bias
+    if selection.groups is not None:
+        tokens, num_experts = ranked.shape
+        grouped = ranked.view(tokens, selection.groups, num_experts // selection.groups)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        best = group_scores.topk(selection.topk_group, dim=-1).indices
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        ranked = grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view(tokens, num_experts)
+    return ranked.topk(topk, dim=-1).indices
+
+
 def route(logits: torch.Tensor, topk: int, router: str, capacity_factor: float | None,
-          normalize: bool = True) -> Routing:
+          selection: Selection = Selection()) -> Routing:
     """Route T tokens given their logits [T, E] (fp32)."""
     tokens, num_experts = logits.shape
     if router == "softmax":
-        probs = torch.softmax(logits, dim=-1)
-        top, experts = probs.topk(topk, dim=-1)
+        scores = probs = torch.softmax(logits, dim=-1)
     else:
         scores = torch.sigmoid(logits)
-        top, experts = scores.topk(topk, dim=-1)
         probs = scores / scores.sum(dim=-1, keepdim=True)
-    gates = top / top.sum(dim=-1, keepdim=True) if normalize else top
+    experts = _choose(scores.detach(), topk, selection, selection.bias)
+    top = scores.gather(1, experts)
+    gates = (top / top.sum(dim=-1, keepdim=True) if selection.normalize else top) * selection.scale
     counts = F.one_hot(experts, num_experts).sum(dim=(0, 1)).to(logits.dtype)
+    unbiased = None
+    if selection.bias is not None:
+        unbiased = F.one_hot(_choose(scores.detach(), topk, selection, None), num_experts).sum(dim=(0, 1))
     kept = (torch.ones_like(experts, dtype=torch.bool) if capacity_factor is None
             else within_capacity(experts, num_experts, math.ceil(tokens * topk * capacity_factor / num_experts)))
-    return Routing(gates, experts, kept, counts, probs.sum(dim=0), torch.logsumexp(logits, dim=-1).square().sum())
+    return Routing(gates, experts, kept, counts, probs.sum(dim=0), torch.logsumexp(logits, dim=-1).square().sum(),
+                   None if unbiased is None else unbiased.to(logits.dtype))
 
 
 def within_capacity(experts: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:

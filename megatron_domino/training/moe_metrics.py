@@ -8,7 +8,9 @@ DP ranks add to numerator and denominator alike, so the ratios below are those o
   micro-batches (each over all its tokens, ``models.balance``); a perfectly balanced router has aux loss 1;
 - ``moe_expert_share``: per MoE layer, each expert's share of the routed assignments (before drops);
   its min and max over layers and experts;
-- ``moe_dropped_fraction``: assignments dropped by the capacity factor / all assignments.
+- ``moe_dropped_fraction``: assignments dropped by the capacity factor / all assignments;
+- with aux-loss-free balancing (``models.expert_bias``): ``moe_unbiased_share_min`` / ``_max``, the shares the
+  router would have given without its bias, and ``moe_expert_bias_min`` / ``_max``, the bias itself.
 """
 from __future__ import annotations
 
@@ -21,19 +23,31 @@ from ..parallel.strict import to_host
 def moe_metrics(chunks, model_cfg, device) -> dict:
     """A collective: every rank calls it at the same logging steps."""
     experts = model_cfg.num_experts
-    table = torch.zeros(model_cfg.num_layers, experts + 5, dtype=torch.float64, device=device)
+    # per layer: its stats (``MoEStats``), then the expert bias summed over the ranks holding it, and their count
+    table = torch.zeros(model_cfg.num_layers, 3 * experts + 6, dtype=torch.float64, device=device)
+    biased = model_cfg.moe_router_bias_update_rate > 0
     for chunk in chunks:
         for layer_id, layer in chunk.moe_layers():
-            table[layer_id] = layer.stats.values
+            table[layer_id, :2 * experts + 5] = layer.stats.values
+            if biased:
+                table[layer_id, 2 * experts + 5:3 * experts + 5] = layer.router.expert_bias.double()
+                table[layer_id, -1] = 1
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(table)
     table = to_host(table)[[i for i in range(model_cfg.num_layers) if model_cfg.is_moe_layer(i)]]
     counts = table[:, :experts]
-    dropped, assigned, aux, z_loss, groups = table[:, experts:].unbind(dim=1)
+    dropped, assigned, aux, z_loss, groups = table[:, experts:experts + 5].unbind(dim=1)
     share = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
-    return {"moe_aux_loss": (aux.sum() / groups.sum()).item(), "moe_z_loss": (z_loss.sum() / groups.sum()).item(),
-            "moe_expert_share_min": share.min().item(), "moe_expert_share_max": share.max().item(),
-            "moe_dropped_fraction": (dropped.sum() / assigned.sum()).item(), "moe_expert_share": share.tolist()}
+    record = {"moe_aux_loss": (aux.sum() / groups.sum()).item(), "moe_z_loss": (z_loss.sum() / groups.sum()).item(),
+              "moe_expert_share_min": share.min().item(), "moe_expert_share_max": share.max().item(),
+              "moe_dropped_fraction": (dropped.sum() / assigned.sum()).item(), "moe_expert_share": share.tolist()}
+    if biased:
+        unbiased = table[:, experts + 5:2 * experts + 5]
+        unbiased = unbiased / unbiased.sum(dim=1, keepdim=True).clamp(min=1)
+        bias = table[:, 2 * experts + 5:3 * experts + 5] / table[:, -1:].clamp(min=1)
+        record.update(moe_unbiased_share_min=unbiased.min().item(), moe_unbiased_share_max=unbiased.max().item(),
+                      moe_expert_bias_min=bias.min().item(), moe_expert_bias_max=bias.max().item())
+    return record
 
 
 def format_moe(record: dict) -> str:
