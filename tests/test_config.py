@@ -209,10 +209,12 @@ def test_tiny_llama_is_a_gqa_llama():
     assert m.query_groups == 4 < m.num_attention_heads
 
 
-def test_rope_scaling_only_in_llama_3_1():
+def test_rope_scaling_only_in_llama_3_1_and_yarn_in_the_tiny_deepseek():
     for path in CONFIG_FILES:
         cfg = load_config(path)
-        assert (cfg.model.rope_scaling_factor is not None) == ("llama3.1" in os.path.basename(path)), path
+        yarn = os.path.basename(path) == "deepseek_v3.yaml"
+        assert (cfg.model.rope_scaling_factor is not None) == ("llama3.1" in os.path.basename(path) or yarn), path
+        assert (cfg.model.rope_scaling_type == "yarn") == yarn, path
     scaled = load_config(os.path.join(REPO, "configs", "llama", "llama3.1-8b.yaml")).model
     assert (scaled.rope_scaling_factor, scaled.rope_low_freq_factor, scaled.rope_high_freq_factor,
             scaled.rope_original_max_position, scaled.rope_base) == (8.0, 1.0, 4.0, 8192, 500000.0)

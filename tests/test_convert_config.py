@@ -20,7 +20,9 @@ def test_rope_scaling_and_rope_parameters_spellings_agree():
     assert (cfg.query_groups, cfg.ffn_size, cfg.tie_embeddings, cfg.bias, cfg.seq_length) == (2, 96, False, False, 16)
     llama2 = model_config_from_hf({**base, "rope_theta": 10000.0, "rope_scaling": None})
     assert llama2.rope_scaling_factor is None and llama2.rope_base == 10000.0 and llama2.seq_length == 128
-    with pytest.raises(ValueError, match="rope_scaling.rope_type = 'yarn'"):
-        model_config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="rope_scaling.rope_type = 'dynamic'"):
+        model_config_from_hf({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
+    yarn = model_config_from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    assert (yarn.rope_scaling_type, yarn.rope_scaling_factor, yarn.rope_original_max_position) == ("yarn", 4.0, 128)
     odd_head = model_config_from_hf({**base, "head_dim": 16})
     assert odd_head.kv_channels == 16 and odd_head.head_dim == 16

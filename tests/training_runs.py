@@ -10,7 +10,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {"gpt": "configs/tiny/gpt.yaml", "llama": "configs/tiny/llama.yaml", "mixtral": "configs/tiny/mixtral.yaml",
-        "qwen3": "configs/tiny/qwen3.yaml", "qwen3_moe": "configs/tiny/qwen3_moe.yaml"}
+        "qwen3": "configs/tiny/qwen3.yaml", "qwen3_moe": "configs/tiny/qwen3_moe.yaml",
+        "deepseek_v3": "configs/tiny/deepseek_v3.yaml"}
 ENTRY = {"gpt": "pretrain_gpt.py", **{family: "pretrain_llama.py" for family in TINY if family != "gpt"}}
 # Tests use synthetic tokens (no corpus needed), gloo (several ranks may share one GPU), NCCL's rules emulated
 # (strict transport and collective checks) and small, fast runs.

@@ -12,6 +12,7 @@ from typing import Any
 from .checks import Checks
 from .data_path import parse_data_path
 from .errors import ConfigError
+from .validate_attention import check_attention
 from .validate_context_parallel import check_context_parallel
 from .schema import (
     ACTIVATIONS,
@@ -72,21 +73,14 @@ def check_model(c: Checks, cfg: Config, device_type: str | None) -> None:
     c.positive("model.init_std", m.init_std)
     c.in_range("model.attention_dropout", m.attention_dropout, 0.0, 1.0)
     c.in_range("model.hidden_dropout", m.hidden_dropout, 0.0, 1.0)
-    if m.position_embedding == "rope":
-        c.positive("model.rope_base", m.rope_base)
-        if m.rope_scaling_factor is not None:
-            c.at_least("model.rope_scaling_factor", m.rope_scaling_factor, 1.0)
-            c.positive("model.rope_low_freq_factor", m.rope_low_freq_factor)
-            c.positive("model.rope_original_max_position", m.rope_original_max_position)
-            if not m.rope_high_freq_factor > m.rope_low_freq_factor:
-                c.fail("model.rope_high_freq_factor", m.rope_high_freq_factor,
-                       f"must exceed model.rope_low_freq_factor = {m.rope_low_freq_factor}",
-                       "use Llama-3.1's values: low 1, high 4")
+    check_attention(c, m)
     if m.position_embedding == "learned" and m.seq_length > m.max_positions:
         c.fail("model.seq_length", m.seq_length,
                f"exceeds model.max_position_embeddings = {m.max_positions} (learned position table)",
                "raise model.max_position_embeddings or lower model.seq_length")
     if not sizes_ok:
+        return
+    if m.multi_latent_attention:
         return
     if m.num_attention_heads % m.query_groups:
         c.fail("model.num_query_groups", m.query_groups,

@@ -14,11 +14,12 @@ POSITION_EMBEDDINGS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 MOE_ROUTERS = ("softmax", "sigmoid")
+ROPE_SCALINGS = ("llama3", "yarn")  # how rope_scaling_factor stretches the frequencies
 RECOMPUTE = ("none", "selective", "full")  # least to most recomputation
 ATTENTION_BACKENDS = ("auto", "flash", "efficient", "math")
 # model settings that choose a layer's function without changing its tensors' shapes (a checkpoint must agree
 # on them too; the shapes themselves are compared tensor by tensor: checkpoint_format.check_compatible)
-ARCHITECTURE_KEYS = ("norm", "activation", "position_embedding", "moe_router")
+ARCHITECTURE_KEYS = ("norm", "activation", "position_embedding", "moe_router", "rope_scaling_type")
 
 
 @dataclass
@@ -37,16 +38,28 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     position_embedding: str = "learned"  # POSITION_EMBEDDINGS
     rope_base: float = 10000.0
-    rope_scaling_factor: Optional[float] = None  # Llama-3 frequency scaling; None: off
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
+    rope_scaling_factor: Optional[float] = None  # frequency scaling (rope_scaling_type); None: off
+    rope_scaling_type: str = "llama3"  # ROPE_SCALINGS: Llama 3.1's, or YaRN (DeepSeek-V3)
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
     rope_original_max_position: int = 8192
+    rope_yarn_beta_fast: float = 32.0  # yarn: the ramp between kept and stretched frequencies
+    rope_yarn_beta_slow: float = 1.0
+    rope_yarn_mscale: float = 1.0  # yarn: rotary dims scaled by mscale(mscale) / mscale(mscale_all_dim)
+    rope_yarn_mscale_all_dim: float = 0.0  # yarn: softmax scale times mscale(mscale_all_dim)^2 (0: unchanged)
     norm: str = "layernorm"  # NORMS
     norm_eps: float = 1e-5
     activation: str = "gelu"  # ACTIVATIONS
     bias: bool = True
     qkv_bias: Optional[bool] = None  # None: as bias; true with bias false: Qwen2's q/k/v biases alone
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's query and key before RoPE
+    # Multi-head latent attention (DeepSeek-V2/V3, models/mla.py) instead of grouped-query attention
+    multi_latent_attention: bool = False
+    kv_lora_rank: Optional[int] = None  # MLA: keys and values from one compressed latent of this width (required)
+    q_lora_rank: Optional[int] = None  # queries through a compressed latent too; None: projected directly
+    qk_nope_head_dim: int = 128  # the part of a query/key head without RoPE
+    qk_rope_head_dim: int = 64  # the part with RoPE (the key's is shared by all heads)
+    v_head_dim: int = 128
     tie_embeddings: bool = True
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
@@ -100,6 +113,25 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_mla(self) -> bool:
+        return self.multi_latent_attention
+
+    @property
+    def key_head_dim(self) -> int:
+        """One query/key head as the attention kernel sees it (MLA: both parts; its values are padded to it)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads the attention kernel reads: the groups, or one per query head under MLA."""
+        return self.num_attention_heads if self.is_mla else self.query_groups
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions RoPE rotates in one head: MLA's decoupled part, or the whole head."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     @property
     def query_groups(self) -> int:

@@ -1,5 +1,5 @@
-"""HF config.json <-> ``ModelConfig`` for GPT-2, Llama 1/2/3, Mixtral, Qwen2, Qwen3 and Qwen3-MoE, and the run config
-a conversion ships with.
+"""HF config.json <-> ``ModelConfig`` for GPT-2, Llama 1/2/3, Mixtral, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3,
+and the run config a conversion ships with.
 
 Only settings that change the function a model computes are carried; anything HF can express but
 this transformer cannot (another RoPE type, biases on only some linears, GPT-2's per-layer attention
@@ -17,17 +17,16 @@ from dataclasses import replace
 
 from ..config import Config, ModelConfig
 from ..config.schema import OptimizerConfig, ParallelConfig, TokenizerConfig, TrainConfig
+from .deepseek_v3 import deepseek_v3_hf_config, deepseek_v3_model, is_deepseek_v3
+from .hf_rope import _unsupported, hf_rope, rope_settings
 
-MODEL_TYPES = ("gpt2", "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+MODEL_TYPES = ("gpt2", "llama", "mixtral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 TORCH_DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
-
-def _unsupported(key: str, value, rule: str, fix: str) -> ValueError:
-    return ValueError(f"config.json {key} = {value!r}: {rule}. Fix: {fix}")
 
 
 def read_hf_config(hf_dir: str) -> dict:
@@ -44,32 +43,11 @@ def detect_model_type(hf: dict, requested: str | None = None) -> str:
     found = hf.get("model_type")
     if found not in MODEL_TYPES:
         raise _unsupported("model_type", found, f"is not a supported model type ({', '.join(MODEL_TYPES)})",
-                           "convert a GPT-2, Llama 1/2/3, Mixtral, Qwen2, Qwen3 or Qwen3-MoE checkpoint "
+                           "convert a GPT-2, Llama 1/2/3, Mixtral, Qwen2, Qwen3, Qwen3-MoE or DeepSeek-V3 checkpoint "
                            f"({' / '.join(ARCHITECTURES.values())})")
     if requested is not None and requested != found:
         raise _unsupported("model_type", found, f"differs from --model {requested}", f"pass --model {found}")
     return found
-
-
-def rope_settings(hf: dict) -> dict:
-    """RoPE base and scaling as ModelConfig fields, from transformers 5.x ``rope_parameters`` or 4.x
-    ``rope_theta`` + ``rope_scaling`` (Llama 1/2 files have no scaling at all)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or params
-    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    out = {"rope_base": float(theta)}
-    if kind == "default":
-        return out
-    if kind != "llama3":
-        raise _unsupported(f"{key}.rope_type", kind, "is not supported (only 'default' and Llama 3.1's 'llama3' "
-                           "frequency scaling are)", "convert a model without this RoPE scaling, or add it to "
-                           "megatron_domino/models/rope.py first")
-    out.update(rope_scaling_factor=float(scaling["factor"]), rope_low_freq_factor=float(scaling["low_freq_factor"]),
-               rope_high_freq_factor=float(scaling["high_freq_factor"]),
-               rope_original_max_position=int(scaling["original_max_position_embeddings"]))
-    return out
 
 
 def _gpt2_model(hf: dict) -> ModelConfig:
@@ -155,7 +133,7 @@ def _qwen3_moe_model(hf: dict) -> ModelConfig:
 
 
 _MODELS = {"gpt2": _gpt2_model, "llama": _llama_model, "mixtral": _mixtral_model, "qwen2": _qwen2_model,
-           "qwen3": _qwen3_model, "qwen3_moe": _qwen3_moe_model}
+           "qwen3": _qwen3_model, "qwen3_moe": _qwen3_moe_model, "deepseek_v3": deepseek_v3_model}
 
 
 def _check_sliding_window(hf: dict, seq_length: int) -> None:
@@ -204,6 +182,8 @@ def model_type_of(cfg: ModelConfig) -> str:
     """Which HF architecture a native model is: GPT-2 (learned, layernorm, gelu) or Llama (rope, rmsnorm, swiglu),
     Mixtral when that Llama has experts, Qwen2 / Qwen3 / Qwen3-MoE by their attention (``_qwen_type_of``)."""
     switches = (cfg.position_embedding, cfg.norm, cfg.activation)
+    if is_deepseek_v3(cfg):
+        return "deepseek_v3"
     if switches == ("rope", "rmsnorm", "swiglu") and _qwen_type_of(cfg):
         return _qwen_type_of(cfg)
     if switches in (("learned", "layernorm", "gelu_tanh"), ("learned", "layernorm", "gelu")):
@@ -240,18 +220,14 @@ def hf_config_from_model(cfg: ModelConfig, dtype_name: str) -> dict:
                 "n_inner": cfg.ffn_size, "n_positions": cfg.max_positions, "activation_function": act,
                 "layer_norm_epsilon": cfg.norm_eps, "attn_pdrop": cfg.attention_dropout,
                 "resid_pdrop": cfg.hidden_dropout, "embd_pdrop": cfg.hidden_dropout}
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_base}
-    if cfg.rope_scaling_factor:
-        rope.update(rope_type="llama3", factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
-                    high_freq_factor=cfg.rope_high_freq_factor,
-                    original_max_position_embeddings=cfg.rope_original_max_position)
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if cfg.rope_scaling_factor else None
+    if model_type == "deepseek_v3":
+        return {**common, **deepseek_v3_hf_config(cfg)}
     mlp = _hf_feed_forward(cfg, model_type)
     return {**common, **mlp, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
             "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.query_groups,
             "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_positions,
             "rms_norm_eps": cfg.norm_eps, "attention_dropout": cfg.attention_dropout,
-            "rope_theta": cfg.rope_base, "rope_scaling": scaling, "rope_parameters": rope}
+            **hf_rope(cfg)}
 
 
 def _hf_feed_forward(cfg: ModelConfig, model_type: str) -> dict:

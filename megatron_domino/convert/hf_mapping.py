@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from .deepseek_v3 import deepseek_v3_layer_to_native, native_layer_to_deepseek_v3
+from .hf_experts import (MIXTRAL_EXPERTS, QWEN3_MOE_EXPERTS, experts_to_hf, experts_to_native, swiglu_to_hf,
+                         swiglu_to_native)
+
 
 def _grouped_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
     """Separate q [heads*d, ...], k, v [groups*d, ...] -> grouped [(heads + 2 groups) * d, ...]."""
@@ -105,67 +109,31 @@ def _native_attention_to_llama(native: dict, p: str, n: str, cfg) -> dict:
     return out
 
 
-def _swiglu_to_native(hf: dict, ours: str, gate: str, up: str, down: str, kinds) -> dict:
-    """One SwiGLU MLP: HF's gate, up and down projections -> fc1 (gate rows, then up rows) and fc2."""
-    out = {}
-    for kind in kinds:  # "weight", and "bias" for a model with biases
-        out[f"{ours}fc1.{kind}"] = torch.cat([hf[f"{gate}.{kind}"], hf[f"{up}.{kind}"]])
-        out[f"{ours}fc2.{kind}"] = hf[f"{down}.{kind}"]
-    return out
-
-
-def _swiglu_to_hf(native: dict, ours: str, gate: str, up: str, down: str, kinds) -> dict:
-    out = {}
-    for kind in kinds:
-        gate_rows, up_rows = native[f"{ours}fc1.{kind}"].chunk(2, dim=0)
-        out.update({f"{gate}.{kind}": gate_rows, f"{up}.{kind}": up_rows,
-                    f"{down}.{kind}": native[f"{ours}fc2.{kind}"]})
-    return out
-
-
 def _kinds(cfg) -> tuple:
     return ("weight", "bias") if cfg.bias else ("weight",)
 
 
 def llama_layer_to_native(hf: dict, i: int, cfg) -> dict:
     p, n = f"model.layers.{i}.", f"layers.{i}."
-    mlp = _swiglu_to_native(hf, n + "mlp.", p + "mlp.gate_proj", p + "mlp.up_proj", p + "mlp.down_proj", _kinds(cfg))
+    mlp = swiglu_to_native(hf, n + "mlp.", p + "mlp.gate_proj", p + "mlp.up_proj", p + "mlp.down_proj", _kinds(cfg))
     return {**_llama_attention_to_native(hf, p, n, cfg), **mlp}
 
 
 def native_layer_to_llama(native: dict, i: int, cfg) -> dict:
     p, n = f"model.layers.{i}.", f"layers.{i}."
-    mlp = _swiglu_to_hf(native, n + "mlp.", p + "mlp.gate_proj", p + "mlp.up_proj", p + "mlp.down_proj", _kinds(cfg))
+    mlp = swiglu_to_hf(native, n + "mlp.", p + "mlp.gate_proj", p + "mlp.up_proj", p + "mlp.down_proj", _kinds(cfg))
     return {**_native_attention_to_llama(native, p, n, cfg), **mlp}
 
 
-# (router, experts, their gate, up and down projections)
-MIXTRAL_EXPERTS = ("block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2")
-QWEN3_MOE_EXPERTS = ("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj")
-
-
 def _moe_layer_to_native(hf: dict, i: int, cfg, names: tuple) -> dict:
-    """Llama's attention; HF's router and experts (``names``: router, experts' prefix, gate, up and down
-    projections) -> ``mlp.router`` and ``mlp.experts.E.fc1`` / ``fc2``."""
+    """Llama's attention, HF's router and experts."""
     p, n = f"model.layers.{i}.", f"layers.{i}."
-    router, experts, gate, up, down = names
-    out = _llama_attention_to_native(hf, p, n, cfg)
-    out[n + "mlp.router.weight"] = hf[f"{p}{router}.weight"]
-    for e in range(cfg.num_experts):
-        x = f"{p}{experts}.{e}."
-        out.update(_swiglu_to_native(hf, f"{n}mlp.experts.{e}.", x + gate, x + up, x + down, ("weight",)))
-    return out
+    return {**_llama_attention_to_native(hf, p, n, cfg), **experts_to_native(hf, p, n, cfg, names)}
 
 
 def _native_moe_layer_to_hf(native: dict, i: int, cfg, names: tuple) -> dict:
     p, n = f"model.layers.{i}.", f"layers.{i}."
-    router, experts, gate, up, down = names
-    out = _native_attention_to_llama(native, p, n, cfg)
-    out[f"{p}{router}.weight"] = native[n + "mlp.router.weight"]
-    for e in range(cfg.num_experts):
-        x = f"{p}{experts}.{e}."
-        out.update(_swiglu_to_hf(native, f"{n}mlp.experts.{e}.", x + gate, x + up, x + down, ("weight",)))
-    return out
+    return {**_native_attention_to_llama(native, p, n, cfg), **experts_to_hf(native, p, n, cfg, names)}
 
 
 def mixtral_layer_to_native(hf: dict, i: int, cfg) -> dict:
@@ -207,6 +175,7 @@ LAYER_TO_NATIVE = {"gpt2": gpt2_layer_to_native, "llama": llama_layer_to_native,
                    "qwen3_moe": qwen3_moe_layer_to_native}
 LAYER_TO_HF = {"gpt2": native_layer_to_gpt2, "llama": native_layer_to_llama, "mixtral": native_layer_to_mixtral,
                "qwen2": native_layer_to_llama, "qwen3": native_layer_to_llama, "qwen3_moe": native_layer_to_qwen3_moe}
+LAYER_TO_NATIVE["deepseek_v3"], LAYER_TO_HF["deepseek_v3"] = deepseek_v3_layer_to_native, native_layer_to_deepseek_v3
 GLOBALS = {"gpt2": GPT2_GLOBALS, **{kind: LLAMA_GLOBALS for kind in LAYER_TO_HF if kind != "gpt2"}}
 # Conversion groups, in model order: the embedding ("pre"), each layer index, then norm and head ("post").
 PRE, POST = "pre", "post"

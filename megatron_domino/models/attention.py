@@ -56,40 +56,17 @@ def _head_norm(cfg, ctx: LayerContext) -> Norm:
     return norm
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg, ctx: LayerContext):
-        super().__init__()
-        heads, groups, head_dim = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
-        self.queries_per_group, self.local_groups, self.head_dim = heads // groups, groups // ctx.size, head_dim
-        self.dropout_p = cfg.attention_dropout
-        self.run_core = run  # how the attention core runs (``recompute.apply_recompute`` may recompute it)
-        self.backend, self.ctx = cfg.attention_backend, ctx
-        self.ring = Ring(ctx.cp_group, ctx.cp_rank, ctx.cp_size) if ctx.cp_size > 1 else None
-        output_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, (heads + 2 * groups) * head_dim, ctx,
-                                        bias=cfg.has_qkv_bias, init_std=cfg.init_std)
-        self.q_norm = _head_norm(cfg, ctx) if cfg.qk_norm else None
-        self.k_norm = _head_norm(cfg, ctx) if cfg.qk_norm else None
-        self.proj = RowParallelLinear(heads * head_dim, cfg.hidden_size, ctx, bias=cfg.bias, init_std=output_std)
+class AttentionPhase(nn.Module):
+    """What every attention shares: the output projection (the phase's TP exit) and the core (SDPA, packed
+    documents, the CP ring); subclasses compute the heads' queries, keys and values in ``hidden``."""
 
-    def hidden(self, x: torch.Tensor, context: TokenContext = NO_CONTEXT) -> torch.Tensor:
-        """Everything up to the output projection: [b, s, h] -> this rank's heads [b, s, local heads * d]."""
-        rotary, doc_offsets = context.rotary, context.doc_offsets
-        qkv = self.qkv(x)
-        b, s = qkv.shape[:2]
-        qkv = qkv.view(b, s, self.local_groups, self.queries_per_group + 2, self.head_dim)
-        q = qkv[:, :, :, :self.queries_per_group].reshape(b, s, -1, self.head_dim).transpose(1, 2)
-        k = qkv[:, :, :, self.queries_per_group].transpose(1, 2)
-        v = qkv[:, :, :, self.queries_per_group + 1].transpose(1, 2)
-        if self.q_norm is not None:  # Qwen3's QK-norm, before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        if self.queries_per_group > 1 and self.backend == "efficient":
-            k = k.repeat_interleave(self.queries_per_group, dim=1)
-            v = v.repeat_interleave(self.queries_per_group, dim=1)
-        out = self.run_core(self._core, q, k, v, doc_offsets)
-        return out.transpose(1, 2).reshape(b, s, -1)
+    def __init__(self, cfg, ctx: LayerContext, out_width: int):
+        super().__init__()
+        self.dropout_p, self.backend, self.ctx = cfg.attention_dropout, cfg.attention_backend, ctx
+        self.run_core = run  # how the attention core runs (``recompute.apply_recompute`` may recompute it)
+        self.ring = Ring(ctx.cp_group, ctx.cp_rank, ctx.cp_size) if ctx.cp_size > 1 else None
+        self.proj = RowParallelLinear(out_width, cfg.hidden_size, ctx, bias=cfg.bias,
+                                      init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers))
 
     def project(self, hidden):
         """The output projection with its synchronous all-reduce (reduce-scatter under SP): (output, bias)."""
@@ -110,3 +87,35 @@ class Attention(nn.Module):
             if doc_offsets is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=grouped)
             return document_attention(q, k, v, doc_offsets, dropout_p=dropout, enable_gqa=grouped)
+
+
+class Attention(AttentionPhase):
+    """Grouped-query attention (MHA and MQA included) from one fused, group-major QKV projection."""
+
+    def __init__(self, cfg, ctx: LayerContext):
+        heads, groups, head_dim = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
+        super().__init__(cfg, ctx, heads * head_dim)
+        self.queries_per_group, self.local_groups, self.head_dim = heads // groups, groups // ctx.size, head_dim
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, (heads + 2 * groups) * head_dim, ctx,
+                                        bias=cfg.has_qkv_bias, init_std=cfg.init_std)
+        self.q_norm = _head_norm(cfg, ctx) if cfg.qk_norm else None
+        self.k_norm = _head_norm(cfg, ctx) if cfg.qk_norm else None
+
+    def hidden(self, x: torch.Tensor, context: TokenContext = NO_CONTEXT) -> torch.Tensor:
+        """Everything up to the output projection: [b, s, h] -> this rank's heads [b, s, local heads * d]."""
+        rotary, doc_offsets = context.rotary, context.doc_offsets
+        qkv = self.qkv(x)
+        b, s = qkv.shape[:2]
+        qkv = qkv.view(b, s, self.local_groups, self.queries_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :self.queries_per_group].reshape(b, s, -1, self.head_dim).transpose(1, 2)
+        k = qkv[:, :, :, self.queries_per_group].transpose(1, 2)
+        v = qkv[:, :, :, self.queries_per_group + 1].transpose(1, 2)
+        if self.q_norm is not None:  # Qwen3's QK-norm, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if self.queries_per_group > 1 and self.backend == "efficient":
+            k = k.repeat_interleave(self.queries_per_group, dim=1)
+            v = v.repeat_interleave(self.queries_per_group, dim=1)
+        out = self.run_core(self._core, q, k, v, doc_offsets)
+        return out.transpose(1, 2).reshape(b, s, -1)

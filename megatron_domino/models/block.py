@@ -15,6 +15,7 @@ from torch import nn
 
 from ..tensor_parallel import LayerContext
 from .attention import Attention
+from .mla import LatentAttention
 from .mlp import MLP
 from .moe import MoE
 from .norms import Norm
@@ -29,7 +30,7 @@ class TransformerBlock(nn.Module):
         self.hidden_dropout = cfg.hidden_dropout
         self.run_phase = run  # how a phase's hidden part runs (``recompute.apply_recompute`` may recompute it)
         self.input_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, ctx)
-        self.attention = Attention(cfg, ctx)
+        self.attention = LatentAttention(cfg, ctx) if cfg.is_mla else Attention(cfg, ctx)
         self.post_attention_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, ctx)
         self.mlp = MoE(cfg, ctx) if cfg.is_moe_layer(layer_number) else MLP(cfg, ctx)  # same phase interface
         self.phases = {"attention": (self.input_norm, self.attention), "mlp": (self.post_attention_norm, self.mlp)}

@@ -6,7 +6,9 @@ h hidden, L layers, a heads, g KV groups, d head dim, f FFN width, V vocab, P po
 Parameters, summed over the whole model (not one TP shard):
 - token embedding V*h; learned positions P*h (none with rope); untied output head V*h (no bias);
 - per layer: attention q a*d*h, k and v g*d*h each, output a*d*h, with biases a*d + 2*g*d (``qkv_bias``) + h;
-  Qwen3's QK-norm adds 2*d;
+  Qwen3's QK-norm adds 2*d; MLA (``models.mla``) has its down-projection h*(q_lora_rank + kv_lora_rank +
+  qk_rope_head_dim), queries' up-projection (or q_proj), keys' and values' up-projection, output a*v_head_dim*h,
+  and the latents' two norms;
   MLP 2*h*f (gelu) or 3*h*f (swiglu: gate, up, down), with biases f + h (gelu) or 2*f + h (swiglu);
   two norms; plus one final norm. A LayerNorm has weight and bias (2*h, whatever ``bias`` says, as in
   Megatron and GPT-2), an RMSNorm weight only (h).
@@ -15,7 +17,8 @@ Training FLOPs per token (forward + backward, no recompute):
 - every weight matmul costs 2 FLOPs per weight per token forward, so 2*N_mm with N_mm the matmul weights
   (attention and MLP projections and the output head, which is a matmul even when tied; embeddings,
   norms and biases are excluded);
-- attention scores Q.K^T and the weighted sum over V each cost 2*s*a*d per token per layer forward,
+- attention scores Q.K^T and the weighted sum over V each cost 2*s*a*d per token per layer forward (MLA: d is
+  the key head size for the scores, v_head_dim for the sum),
   counted over the full s x s square (as Megatron and PaLM count MFU; the causal mask's skipped half
   is not subtracted);
 - backward costs twice the forward (gradients for inputs and for weights), so training = 3 x forward:
@@ -38,8 +41,20 @@ def _vocab(model: ModelConfig, tp: int, padded: bool) -> int:
 
 def _attention_weights(model: ModelConfig) -> int:
     """Weights of one block's attention projections (no biases)."""
+    if model.is_mla:
+        return _latent_attention_weights(model)
     q_width, kv_width = model.num_attention_heads * model.head_dim, model.query_groups * model.head_dim
     return model.hidden_size * q_width + 2 * model.hidden_size * kv_width + q_width * model.hidden_size
+
+
+def _latent_attention_weights(model: ModelConfig) -> int:
+    """MLA: the down-projection to the latents, the up-projections (or q_proj), the output projection."""
+    h, a = model.hidden_size, model.num_attention_heads
+    qk, q_rank = model.qk_nope_head_dim + model.qk_rope_head_dim, model.q_lora_rank
+    down = h * ((q_rank or 0) + model.kv_lora_rank + model.qk_rope_head_dim)
+    queries = q_rank * a * qk if q_rank else h * a * qk
+    keys_values = model.kv_lora_rank * a * (model.qk_nope_head_dim + model.v_head_dim)
+    return down + queries + keys_values + a * model.v_head_dim * h
 
 
 def _mlp(model: ModelConfig, ffn: int, biases: bool) -> int:
@@ -70,7 +85,9 @@ def count_parameters(model: ModelConfig, tp: int = 1, padded_vocab: bool = False
     h, d = model.hidden_size, model.head_dim
     vocab = _vocab(model, tp, padded_vocab)
     per_layer = _attention_weights(model) + 2 * norm_parameters(model)
-    if model.has_qkv_bias:
+    if model.is_mla:  # the latents' norms
+        per_layer += (model.q_lora_rank or 0) + model.kv_lora_rank
+    elif model.has_qkv_bias:
         per_layer += (model.num_attention_heads + 2 * model.query_groups) * d
     if model.bias:
         per_layer += h
@@ -91,5 +108,6 @@ def flops_per_token(model: ModelConfig, seq_length: int | None = None) -> float:
     s = model.seq_length if seq_length is None else seq_length
     matmul_weights = model.vocab_size * model.hidden_size + sum(
         _attention_weights(model) + _feed_forward(model, i, active=True, biases=False) for i in range(model.num_layers))
-    attention = 12 * model.num_layers * s * model.num_attention_heads * model.head_dim
+    score_dim, value_dim = (model.key_head_dim, model.v_head_dim) if model.is_mla else (model.head_dim,) * 2
+    attention = 6 * model.num_layers * s * model.num_attention_heads * (score_dim + value_dim)
     return float(6 * matmul_weights + attention)

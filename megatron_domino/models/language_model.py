@@ -21,7 +21,7 @@ from .block import TransformerBlock
 from .moe import MoE
 from .norms import Norm
 from .ring_attention import local_positions
-from .rope import inverse_frequencies, rotary_tables
+from .rope import model_frequencies, rotary_tables
 from .tokens import TokenContext
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
@@ -47,9 +47,8 @@ class LanguageModel(nn.Module):
                         make_param((cfg.max_positions, cfg.hidden_size), self.ctx),
                         ParamInfo(None, "normal", cfg.init_std))
         if cfg.position_embedding == "rope":
-            self.register_buffer("inv_freq", inverse_frequencies(
-                cfg.head_dim, cfg.rope_base, cfg.rope_scaling_factor, cfg.rope_low_freq_factor,
-                cfg.rope_high_freq_factor, cfg.rope_original_max_position).to(self.ctx.device), persistent=False)
+            inv_freq, self.rotary_scale = model_frequencies(cfg)
+            self.register_buffer("inv_freq", inv_freq.to(self.ctx.device), persistent=False)
         self.layers = nn.ModuleList(TransformerBlock(cfg, self.ctx, layer_number=i) for i in self.layer_ids)
         if has_head:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.ctx)
@@ -112,7 +111,7 @@ class LanguageModel(nn.Module):
         """The tokens' context for every block: rotary tables, document offsets, the step's auxiliary loss
         weight (``batch["aux_loss_weight"]``, set by the pipeline engine; 1 elsewhere), and a fresh place for
         the MoE layers' balance sets of this micro-batch."""
-        rotary = (rotary_tables(self._position_ids(batch, batch_size), self.inv_freq)
+        rotary = (rotary_tables(self._position_ids(batch, batch_size), self.inv_freq, self.rotary_scale)
                   if self.cfg.position_embedding == "rope" else None)
         return TokenContext(rotary, batch.get("doc_offsets"), batch.get("aux_loss_weight", 1.0), balance={})
 

@@ -90,8 +90,8 @@ def layer_activation_bytes(cfg: Config, gpu: GPU, moe: bool = False) -> tuple[fl
     model, par = cfg.model, cfg.parallel
     e, t = weight_bytes(cfg), par.tp
     r = t if par.sequence_parallel and t > 1 else 1
-    h, d = model.hidden_size, model.head_dim
-    a, g = model.num_attention_heads, model.query_groups
+    h, d = model.hidden_size, model.key_head_dim
+    a, g = model.num_attention_heads, model.kv_heads
     rope = model.position_embedding == "rope"
     expanded = g < a and model.attention_backend == "efficient"  # K and V copied per query head
     mask = _dropout_mask_bytes(cfg, gpu)
@@ -123,7 +123,7 @@ def chunk_activation_bytes(cfg: Config, gpu: GPU, layers: int, first: bool, last
     total = (layers - moe_layers) * layer_activation_bytes(cfg, gpu)[0]
     total += moe_layers * layer_activation_bytes(cfg, gpu, moe=True)[0] if moe_layers else 0.0
     if layers and model.position_embedding == "rope":
-        total += 8 * model.head_dim
+        total += 8 * model.key_head_dim
     if first:
         total += 8 + (1 if t > 1 else 0) + _dropout_mask_bytes(cfg, gpu)
     elif e != 4 and model.recompute != "full":
@@ -138,9 +138,9 @@ def ring_transient_bytes(cfg: Config) -> float:
     if cfg.parallel.cp == 1:
         return 0.0
     model, e = cfg.model, weight_bytes(cfg)
-    heads, groups = model.num_attention_heads, model.query_groups
+    heads, groups = model.num_attention_heads, model.kv_heads
     repeated = 2 * e * heads if groups < heads else 0
-    return (4 * heads + 4 * e * groups + 16 * groups + repeated) * model.head_dim / cfg.parallel.tp
+    return (4 * heads + 4 * e * groups + 16 * groups + repeated) * model.key_head_dim / cfg.parallel.tp
 
 
 def loss_transient_bytes(cfg: Config) -> float:

@@ -167,8 +167,8 @@ def _ring_attention(cfg: Config, gpu: GPU, bandwidth: float, assumptions: Timing
     model, par = cfg.model, cfg.parallel
     if par.cp == 1:
         return 0.0, 0.0
-    s, b, t, cp, d = model.seq_length, cfg.train.micro_batch_size, par.tp, par.cp, model.head_dim
-    elements = 2 * b * s / cp * model.query_groups / t * d  # K and V of the local tokens
+    s, b, t, cp, d = model.seq_length, cfg.train.micro_batch_size, par.tp, par.cp, model.key_head_dim
+    elements = 2 * b * s / cp * model.kv_heads / t * d  # K and V of the local tokens
     kv, grads = elements * weight_bytes(cfg) / bandwidth, elements * 4 / bandwidth  # dK/dV travel in fp32
     rate = gpu.peak_tflops * 1e12 * assumptions.efficiency
     block = 2 * model.num_attention_heads * d * s * s / (cp * cp * t) * b / rate  # one step's forward attention
