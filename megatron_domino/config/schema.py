@@ -14,6 +14,7 @@ POSITION_EMBEDDINGS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 MOE_ROUTERS = ("softmax", "sigmoid")
+MOE_DROP_POLICIES = ("position", "probs", "random")  # which assignments a full expert keeps (models/router.py)
 ROPE_SCALINGS = ("llama3", "yarn")  # how rope_scaling_factor stretches the frequencies
 RECOMPUTE = ("none", "selective", "full")  # least to most recomputation
 ATTENTION_BACKENDS = ("auto", "flash", "efficient", "math")
@@ -75,6 +76,7 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.01  # load-balancing loss (Switch / Mixtral)
     moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
     moe_capacity_factor: Optional[float] = None  # None: dropless
+    moe_token_drop_policy: str = "position"  # MOE_DROP_POLICIES: a full expert keeps the first, likeliest, or random
     moe_shared_experts: int = 0  # always-on experts, as one MLP of this many experts' width
     moe_layer_freq: Union[int, list] = 1  # MoE every k-th layer from layer 0, or one 0/1 per layer (Megatron)
     moe_first_k_dense: int = 0  # the first k layers keep the dense MLP whatever moe_layer_freq says (DeepSeek-V3: 3)

@@ -5,7 +5,7 @@ Kept apart from the dense rules because none of them applies to a dense model.
 """
 from __future__ import annotations
 
-from .schema import MOE_ROUTERS, Config
+from .schema import MOE_DROP_POLICIES, MOE_ROUTERS, Config
 
 
 def check_moe(c, cfg: Config) -> None:
@@ -34,6 +34,7 @@ def check_moe(c, cfg: Config) -> None:
     elif m.moe_topk > m.num_experts:
         c.fail("model.moe_topk", m.moe_topk, f"exceeds model.num_experts = {m.num_experts}",
                f"choose moe_topk between 1 and {m.num_experts}")
+    c.one_of("model.moe_token_drop_policy", m.moe_token_drop_policy, MOE_DROP_POLICIES)
     if m.moe_capacity_factor is not None and not m.moe_capacity_factor > 0:
         c.fail("model.moe_capacity_factor", m.moe_capacity_factor, "must be positive or null (dropless)",
                "set a factor such as 1.25, or null to drop no token")

@@ -103,6 +103,7 @@ class MoE(nn.Module):
         super().__init__()
         self.ctx, self.num_experts, self.topk = ctx, cfg.num_experts, cfg.moe_topk
         self.router_kind, self.capacity_factor = cfg.moe_router, cfg.moe_capacity_factor
+        self.drop_policy = cfg.moe_token_drop_policy
         self.selection = Selection(cfg.moe_norm_topk_prob, cfg.moe_routed_scaling_factor, cfg.moe_n_group,
                                    cfg.moe_topk_group)
         self.bias_update_rate = cfg.moe_router_bias_update_rate
@@ -146,7 +147,7 @@ class MoE(nn.Module):
         selection = self.selection
         if self.bias_update_rate > 0:
             selection = replace(selection, bias=self.router.expert_bias.float())
-        routing = route(logits, self.topk, self.router_kind, self.capacity_factor, selection)
+        routing = route(logits, self.topk, self.router_kind, self.capacity_factor, selection, self.drop_policy)
         # one stable sort by expert puts every expert's kept assignments together, in token order
         kept = routing.kept if self.split else routing.kept & self._my_tokens(len(tokens))
         key = torch.where(kept, routing.experts, self.num_experts).flatten()

@@ -11,8 +11,11 @@ E experts); it knows nothing of tensor parallelism. Rules:
   free balancing; the gates use the scores themselves), group-limited routing (experts in ``groups`` groups of
   which a token may use the ``topk_group`` whose two best scores sum highest), gates times ``scale``.
 - Capacity (``capacity_factor`` set): each expert takes at most C = ceil(T * k * factor / E) assignments.
-  An expert's assignments are queued in token order (token 0 first; a token never picks one expert twice),
-  and those at queue position >= C are dropped: they contribute nothing, the token keeps its residual.
+  An expert's assignments are queued, and those at queue position >= C are dropped: they contribute nothing,
+  the token keeps its residual. The queue (``drop_policy``) is in token order (``position``: token 0 first; a
+  token never picks one expert twice), by descending gate (``probs``, Megatron's), or in a random order
+  (``random``, DeepSpeed's random token selection) drawn from the default stream, which every TP rank routing
+  the same tokens draws alike (``parallel.random``) and recompute replays.
 - Load-balancing loss (Switch Transformer, Mixtral): E * sum_i f_i * P_i, f_i = (assignments routed to i,
   before drops) / (T * k), P_i = mean over tokens of p_i. It is 1 when routing is uniform.
 - Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2.
@@ -83,7 +86,7 @@ def _choose(scores: torch.Tensor, topk: int, selection: Selection, bias: torch.T
 
 
 def route(logits: torch.Tensor, topk: int, router: str, capacity_factor: float | None,
-          selection: Selection = Selection()) -> Routing:
+          selection: Selection = Selection(), drop_policy: str = "position") -> Routing:
     """Route T tokens given their logits [T, E] (fp32)."""
     tokens, num_experts = logits.shape
     if router == "softmax":
@@ -98,14 +101,27 @@ def route(logits: torch.Tensor, topk: int, router: str, capacity_factor: float |
     unbiased = None
     if selection.bias is not None:
         unbiased = F.one_hot(_choose(scores.detach(), topk, selection, None), num_experts).sum(dim=(0, 1))
-    kept = (torch.ones_like(experts, dtype=torch.bool) if capacity_factor is None
-            else within_capacity(experts, num_experts, math.ceil(tokens * topk * capacity_factor / num_experts)))
+    kept = torch.ones_like(experts, dtype=torch.bool)
+    if capacity_factor is not None:
+        priority = {"position": None, "probs": top.detach(), "random": torch.rand_like(top)}[drop_policy]
+        kept = within_capacity(experts, num_experts, math.ceil(tokens * topk * capacity_factor / num_experts),
+                               priority)
     return Routing(gates, experts, kept, counts, probs.sum(dim=0), torch.logsumexp(logits, dim=-1).square().sum(),
                    None if unbiased is None else unbiased.to(logits.dtype))
 
 
-def within_capacity(experts: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
-    """[T, k] bool: the assignment's position in its expert's token-ordered queue is below ``capacity``."""
-    per_token = F.one_hot(experts, num_experts).sum(dim=1)  # [T, E], 0 or 1
-    queue_position = per_token.cumsum(dim=0) - per_token  # assignments to e by earlier tokens
-    return queue_position.gather(1, experts) < capacity
+def within_capacity(experts: torch.Tensor, num_experts: int, capacity: int,
+                    priority: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, k] bool: the assignment's position in its expert's queue is below ``capacity``; the queue is in token
+    order, or by descending ``priority`` [T, k] when given (ties in token order)."""
+    if priority is None:
+        per_token = F.one_hot(experts, num_experts).sum(dim=1)  # [T, E], 0 or 1
+        queue_position = per_token.cumsum(dim=0) - per_token  # assignments to e by earlier tokens
+        return queue_position.gather(1, experts) < capacity
+    flat = experts.flatten()
+    order = priority.flatten().argsort(descending=True, stable=True)
+    order = order[flat[order].argsort(stable=True)]  # grouped by expert, each group by descending priority
+    counts = torch.bincount(flat, minlength=num_experts)
+    queue_position = torch.empty_like(flat)
+    queue_position[order] = torch.arange(len(flat), device=flat.device) - (counts.cumsum(0) - counts)[flat[order]]
+    return (queue_position < capacity).view_as(experts)
