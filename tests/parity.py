@@ -114,6 +114,7 @@ def reference_steps(model_config, batches, lr, micro_batch=None):
             total += loss.item()
         with torch.no_grad():
             for p in dense.parameters():
-                p -= lr * p.grad
+                if p.requires_grad:  # not an aux-loss-free expert bias
+                    p -= lr * p.grad
         losses.append(total)
     return losses, {n: p.detach().clone() for n, p in dense.named_global_parameters()}

@@ -1,9 +1,9 @@
 """Multi-head latent attention (MLA) and DeepSeek-V3: logits equal transformers' DeepseekV3ForCausalLM (fp32, 1e-4)
 through tools/convert_checkpoint.py, with YaRN past the original context and without a query latent; a round trip
 is bit-exact; parameters count as HF's; a tiny DeepSeek-V3 (MLA, YaRN, sigmoid routing with the expert bias, groups,
-routed scaling, a dense first layer, a shared expert) trains like one process (fp32, 1e-5) under TP with Domino
-and SP, recompute, the pipeline (1F1B, ZB-H1), CP with packed documents, EP, and tp 2 × pp 2 × dp 2 × ep 2; bad
-configs are refused before any process group starts."""
+routed scaling, a dense first layer, a shared expert, the micro-batch and sequence-wise balance losses) trains like
+one process (fp32, 1e-5) under TP with Domino and SP, recompute, the pipeline (1F1B, ZB-H1), CP with packed
+documents, EP, and tp 2 × pp 2 × dp 2 × ep 2; bad configs are refused before any process group starts."""
 import json
 import os
 import shutil
@@ -35,7 +35,8 @@ MLA = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidde
                   q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, **YARN)
 DEEPSEEK_V3 = replace(MLA, num_experts=8, moe_topk=2, moe_ffn_hidden_size=16, moe_router="sigmoid",
                       moe_shared_experts=1, moe_first_k_dense=1, moe_n_group=4, moe_topk_group=2,
-                      moe_routed_scaling_factor=2.5, moe_router_bias_update_rate=1e-2, moe_aux_loss_coeff=0.01)
+                      moe_routed_scaling_factor=2.5, moe_router_bias_update_rate=1e-2, moe_aux_loss_coeff=0.01,
+                      moe_seq_aux_loss_coeff=0.01)
 
 
 def _hf_deepseek(q_lora_rank=16, yarn=True):
@@ -107,7 +108,7 @@ FOUR = [_zero3(MLA, 2, 1, 2, zero_stage=1, domino=True, sequence_parallel=True),
                domino_split="2d"),
         _zero3(replace(MLA, recompute="full"), 2, 2, 1, zero_stage=1, schedule="zb-h1", domino=True),
         _zero3(MLA, 1, 2, 2, zero_stage=1)]  # 1F1B
-CP = [cp_layout(MLA, cp=2, dp=2, documents=True)]
+CP = [cp_layout(MLA, cp=2, dp=2, documents=True), cp_layout(DEEPSEEK_V3, cp=2, dp=2)]
 EP = [(ep_config(DEEPSEEK_V3, ep=2, dp=2, tp=2, domino=True, sequence_parallel=True), MICRO_BATCH),
       (ep_config(DEEPSEEK_V3, ep=2, dp=4), MICRO_BATCH)]
 
@@ -116,7 +117,7 @@ EP = [(ep_config(DEEPSEEK_V3, ep=2, dp=2, tp=2, domino=True, sequence_parallel=T
 def test_mla_trains_like_one_process_under_tp_domino_pipeline_cp_and_ep():
     """4 ranks, 6 SGD steps each: MLA at tp 2 × dp 2 (Domino rows with SP; Domino 2-D with selective recompute and
     no query latent), tp 2 × pp 2 (ZB-H1, full recompute), pp 2 × dp 2 (1F1B), cp 2 × dp 2 with packed documents;
-    the tiny DeepSeek-V3 at tp 2 × dp 2 × ep 2 (Domino, SP) and dp 4 × ep 2."""
+    the tiny DeepSeek-V3 at cp 2 × dp 2, tp 2 × dp 2 × ep 2 (Domino, SP) and dp 4 × ep 2."""
     _covered(FOUR + CP + EP, run_ranks(_check_layouts, 4, FOUR, CP, EP, timeout=500))
 
 

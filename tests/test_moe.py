@@ -155,7 +155,9 @@ def test_layer_equals_loops_over_tokens_and_experts(cfg):
     assert values[E + 2].item() == pytest.approx(aux.item(), rel=1e-5)
 
 
-@pytest.mark.parametrize("cfg", [GPT_MOE, replace(LLAMA_MOE, moe_capacity_factor=None)], ids=["softmax", "sigmoid"])
+@pytest.mark.parametrize("cfg", [GPT_MOE, replace(LLAMA_MOE, moe_capacity_factor=None),
+                                 replace(LLAMA_MOE, moe_capacity_factor=None, moe_seq_aux_loss_coeff=0.3)],
+                         ids=["softmax", "sigmoid", "sequence-wise"])
 def test_a_micro_batch_routed_in_pieces_has_the_losses_of_the_whole(cfg):
     """Domino's row split routes each mu-chunk on its own: with the pieces sharing one balance set, outputs,
     gradients (balance and z-loss included) and the logged losses equal one routing of the whole micro-batch."""

@@ -75,6 +75,7 @@ class ModelConfig:
     moe_norm_topk_prob: bool = True  # the top-k gates renormalised to sum 1 (Qwen3-MoE's norm_topk_prob)
     moe_aux_loss_coeff: float = 0.01  # load-balancing loss (Switch / Mixtral)
     moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
+    moe_seq_aux_loss_coeff: float = 0.0  # the balance loss within each sequence (DeepSeek-V3: 1e-4)
     moe_capacity_factor: Optional[float] = None  # None: dropless
     moe_token_drop_policy: str = "position"  # MOE_DROP_POLICIES: a full expert keeps the first, likeliest, or random
     moe_shared_experts: int = 0  # always-on experts, as one MLP of this many experts' width

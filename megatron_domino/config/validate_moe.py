@@ -28,6 +28,7 @@ def check_moe(c, cfg: Config) -> None:
     c.positive("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size, optional=True)
     c.at_least("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, 0.0)
     c.at_least("model.moe_z_loss_coeff", m.moe_z_loss_coeff, 0.0)
+    c.at_least("model.moe_seq_aux_loss_coeff", m.moe_seq_aux_loss_coeff, 0.0)
     c.at_least("model.moe_shared_experts", m.moe_shared_experts, 0)
     if m.moe_topk < 1:
         c.fail("model.moe_topk", m.moe_topk, "must be at least 1", "route each token to 1 or more experts (2 is usual)")

@@ -10,8 +10,14 @@ E * f_i / T for every token t of the set, and the z-loss's is that of its mean o
 ranks route the same tokens (their logits are identical), so each adds 1/tp of the gradient. No host sync: T is
 known on the host (every CP rank holds as many tokens), the counts stay on the device.
 
+DeepSeek-V3's sequence-wise balance loss is the same loss within each sequence (a sample row), averaged over the
+micro-batch's sequences: the set also sums each sequence's counts [samples, E] over the CP ring (in the same one
+all-reduce), and a piece's tokens get E * f_(b,i) / T_seq for their sequence b. Domino's mu-chunks hold whole
+sequences, so a piece's samples are a run of the set's (``add`` returns where it starts).
+
 The layer's contribution to the objective is ``weight`` per sample of the micro-batch (``TokenContext``: the
-engine's loss scale over micro-batches x DP ranks x samples) times (aux_coeff * balance + z_coeff * z-loss).
+engine's loss scale over micro-batches x DP ranks x samples) times (aux_coeff * balance + z_coeff * z-loss +
+seq_coeff * sequence-wise balance).
 """
 from __future__ import annotations
 
@@ -27,19 +33,27 @@ class BalanceSet:
     def __init__(self, pieces: int, cp_group, topk: int):
         self.pieces, self.cp_group, self.topk = pieces, cp_group, topk
         self.counts: list[torch.Tensor] = []
+        self.sample_counts: list[torch.Tensor] = []  # [samples, E] per piece, for the sequence-wise loss
         self.tokens = self.samples = 0
         self.total: torch.Tensor | None = None  # [E] counts over the set, once every local piece has run
         self._work = None
 
-    def add(self, counts: torch.Tensor, tokens: int, samples: int) -> None:
-        """A piece has routed ``tokens`` tokens of ``samples`` samples; after the last, sum over the CP ring."""
+    def add(self, counts: torch.Tensor, tokens: int, samples: int, sample_counts: torch.Tensor | None = None) -> int:
+        """A piece has routed ``tokens`` tokens of ``samples`` samples (``sample_counts``: per sample, when the
+        sequence-wise loss is on); after the last, sum over the CP ring. Returns the piece's first sample."""
+        first = self.samples
         self.counts.append(counts)
+        if sample_counts is not None:
+            self.sample_counts.append(sample_counts)
         self.tokens += tokens
         self.samples += samples
         if len(self.counts) == self.pieces:
             self.total = torch.stack(self.counts).sum(dim=0)
+            if self.sample_counts:
+                self.total = torch.cat([self.total, torch.cat(self.sample_counts).flatten()])
             if comm.group_size(self.cp_group) > 1:
                 self._work = dist.all_reduce(self.total, group=self.cp_group, async_op=True)
+        return first
 
     def fractions(self) -> tuple[torch.Tensor, int]:
         """(f_i = counts_i / (T * k) over the whole set, T): what backward needs."""
@@ -50,19 +64,27 @@ class BalanceSet:
             self._work.wait()
             self._work = None
         tokens = self.tokens * comm.group_size(self.cp_group)
-        return self.total / (tokens * self.topk), tokens
+        return self.total[:self.counts[0].numel()] / (tokens * self.topk), tokens
+
+    def sequence_fractions(self) -> tuple[torch.Tensor, int]:
+        """([samples, E] f_(b,i) = counts_(b,i) / (T_seq * k) of each sequence, T_seq), after ``fractions``."""
+        experts, per_sequence = self.counts[0].numel(), self.tokens * comm.group_size(self.cp_group) // self.samples
+        return self.total[experts:].view(self.samples, experts) / (per_sequence * self.topk), per_sequence
 
 
 class AttachLosses(torch.autograd.Function):
     """Identity on the gates (an output that is not a view, so the in-place all-reduce may modify it); backward
     also seeds this piece's share of the set's auxiliary losses: ``prob_sums`` and ``z_sum`` of its tokens
-    (``router.Routing``). ``coeffs``: (aux, z) coefficients times the objective's weight per sample / tp;
-    ``record(aux, z, T)``, when given, receives this piece's share of the losses' values and the set's token
-    count (for metrics)."""
+    (``router.Routing``), and ``sequence_probs`` [samples, E] (each of its sequences' sum of p, or None) from
+    sample ``first`` of the set. ``coeffs``: (aux, z, sequence-wise) coefficients times the objective's weight
+    per sample / tp; ``record(aux, z, T)``, when given, receives this piece's share of the losses' values and the
+    set's token count (for metrics)."""
 
     @staticmethod
-    def forward(ctx, gates, prob_sums, z_sum, balance: BalanceSet, coeffs: tuple[float, float], record):
-        ctx.balance, ctx.coeffs, ctx.record = balance, coeffs, record
+    def forward(ctx, gates, prob_sums, z_sum, sequence_probs, balance: BalanceSet, first: int, coeffs: tuple,
+                record):
+        ctx.balance, ctx.first, ctx.coeffs, ctx.record = balance, first, coeffs, record
+        ctx.samples = None if sequence_probs is None else sequence_probs.shape[0]
         ctx.save_for_backward(prob_sums.detach(), z_sum.detach())
         return gates.view_as(gates)
 
@@ -70,11 +92,16 @@ class AttachLosses(torch.autograd.Function):
     def backward(ctx, grad):
         prob_sums, z_sum = ctx.saved_tensors
         fractions, tokens = ctx.balance.fractions()
-        aux_coeff, z_coeff = ctx.coeffs
+        aux_coeff, z_coeff, sequence_coeff = ctx.coeffs
         samples = ctx.balance.samples
         experts = fractions.numel()
         if ctx.record is not None:
             ctx.record(experts * (fractions * prob_sums).sum() / tokens, z_sum / tokens, tokens)
         grad_probs = fractions * (aux_coeff * samples * experts / tokens)
         grad_z = torch.full_like(z_sum, z_coeff * samples / tokens)
-        return grad, grad_probs, grad_z, None, None, None
+        grad_sequences = None
+        if ctx.samples is not None:
+            sequence_fractions, per_sequence = ctx.balance.sequence_fractions()
+            mine = sequence_fractions[ctx.first:ctx.first + ctx.samples]
+            grad_sequences = mine * (sequence_coeff * experts / per_sequence)
+        return grad, grad_probs, grad_z, grad_sequences, None, None, None, None

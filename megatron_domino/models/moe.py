@@ -108,6 +108,7 @@ class MoE(nn.Module):
                                    cfg.moe_topk_group)
         self.bias_update_rate = cfg.moe_router_bias_update_rate
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
+        self.seq_coeff = cfg.moe_seq_aux_loss_coeff
         self.router = nn.Module()
         declare(self.router, "weight", make_param((cfg.num_experts, cfg.hidden_size), ctx),
                 ParamInfo(None, "normal", cfg.init_std, grad_sums_over_tp=ctx.sequence_parallel))
@@ -181,11 +182,17 @@ class MoE(nn.Module):
         routing, gates = routed.routing, routed.routing.gates
         if torch.is_grad_enabled():  # training: evaluation neither counts nor differentiates
             self.stats.add(routing)
-            routed.balance.add(routing.counts, routing.tokens, b)
+            sequence_counts = sequence_probs = None
+            if self.seq_coeff:  # per sample: the sequence-wise balance loss
+                one_hot = F.one_hot(routing.experts, self.num_experts).sum(dim=1).to(routing.counts.dtype)
+                sequence_counts = one_hot.view(b, -1, self.num_experts).sum(dim=1)
+                sequence_probs = routing.probs.view(b, -1, self.num_experts).sum(dim=1)
+            first = routed.balance.add(routing.counts, routing.tokens, b, sequence_counts)
             weight = routed.aux_loss_weight / tp
             record = functools.partial(self.stats.add_losses, routing.tokens)
-            gates = AttachLosses.apply(gates, routing.prob_sums, routing.z_sum, routed.balance,
-                                       (self.aux_coeff * weight, self.z_coeff * weight), record)
+            coeffs = (self.aux_coeff * weight, self.z_coeff * weight, self.seq_coeff * weight)
+            gates = AttachLosses.apply(gates, routing.prob_sums, routing.z_sum, sequence_probs, routed.balance, first,
+                                       coeffs, record)
         outputs = experts_linear(routed.hidden, routed.exchange.local_sizes,
                                  [expert.fc2 for expert in self.experts.values()], self.grouped_gemm,
                                  tp if self.split else 1)

@@ -18,6 +18,8 @@ E experts); it knows nothing of tensor parallelism. Rules:
   the same tokens draws alike (``parallel.random``) and recompute replays.
 - Load-balancing loss (Switch Transformer, Mixtral): E * sum_i f_i * P_i, f_i = (assignments routed to i,
   before drops) / (T * k), P_i = mean over tokens of p_i. It is 1 when routing is uniform.
+- Sequence-wise balance loss (DeepSeek-V3): the same E * sum_i f_i * P_i within each sequence, averaged over the
+  sequences (``balance``; it needs each token's p, ``Routing.probs``).
 - Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2.
 Both are defined over a token set that may span several routing groups (``balance``: a micro-batch routed in
 Domino mu-chunks and over CP ranks), so a group reports sums: its counts, sum_t p_t and sum_t lse_t^2.
@@ -40,6 +42,7 @@ class Routing:
     prob_sums: torch.Tensor  # [E] sum over the group's tokens of p, differentiable
     z_sum: torch.Tensor  # scalar: sum over the group's tokens of logsumexp(logits)^2, differentiable
     unbiased_counts: torch.Tensor | None = None  # [E] what the counts would be without the bias (metrics)
+    probs: torch.Tensor | None = None  # [T, E] each token's p, differentiable (the sequence-wise balance loss)
 
     @property
     def tokens(self) -> int:
@@ -107,7 +110,7 @@ def route(logits: torch.Tensor, topk: int, router: str, capacity_factor: float |
         kept = within_capacity(experts, num_experts, math.ceil(tokens * topk * capacity_factor / num_experts),
                                priority)
     return Routing(gates, experts, kept, counts, probs.sum(dim=0), torch.logsumexp(logits, dim=-1).square().sum(),
-                   None if unbiased is None else unbiased.to(logits.dtype))
+                   None if unbiased is None else unbiased.to(logits.dtype), probs)
 
 
 def within_capacity(experts: torch.Tensor, num_experts: int, capacity: int,
