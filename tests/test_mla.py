@@ -188,3 +188,15 @@ def test_tiny_deepseek_v3_config_trains(tmp_path):
     records = metrics(str(tmp_path))
     assert records[-1]["loss"] < records[0]["loss"] - 0.03, [r["loss"] for r in records]
     assert any(key.startswith("moe_expert_bias") for key in records[-1]), sorted(records[-1])
+
+
+@pytest.mark.quick
+def test_routing_only_deepseek_v3_has_is_refused_by_the_other_exports():
+    from megatron_domino.convert.hf_config import model_type_of
+    qwen3_moe = load_config(f"{REPO}/configs/tiny/qwen3_moe.yaml").model
+    assert model_type_of(qwen3_moe) == "qwen3_moe"
+    for change in ({"moe_router_bias_update_rate": 1e-3}, {"moe_n_group": 4, "moe_topk_group": 2},
+                   {"moe_routed_scaling_factor": 2.5}):
+        with pytest.raises(ValueError, match="DeepSeek-V3 only"):
+            model_type_of(replace(qwen3_moe, **change))
+    assert model_type_of(load_config(f"{REPO}/configs/tiny/deepseek_v3.yaml").model) == "deepseek_v3"
