@@ -6,7 +6,8 @@
 #      need not be pip-installed;
 #   1. install, only what is missing: megatron_domino's import-time needs (pyyaml, numpy), pytest, megatron-core,
 #      from the registry or offline from MCORE_WHEELS (pip install --no-index --find-links); torch is used as
-#      found (a constraint pins it, so pip cannot change it). What is still missing skips its step, with why;
+#      found (a constraint pins it, so pip cannot change it; offline, megatron-core goes in with --no-deps, as pip
+#      could not match an H200's torch 2.11.0+cu130 to the pin). What is still missing skips its step, with why;
 #   2. unit-tests: tests/test_cuda.py on CUDA + NCCL at world size 1: tiny GPT and Llama training through the
 #      entry points (bf16, Domino on, flash attention pinned), checkpoint save and bitwise resume, flash kernel;
 #   3. train: GPT-1.3B, bf16, TP1, 30 steps with model.attention_backend=flash (a non-flash attention call
@@ -197,7 +198,11 @@ fi
 if [ -n "$MCORE" ]; then
   echo "== install-megatron-core: skipped (megatron-core $MCORE is installed)"
 elif [ -z "$OFFLINE" ] || [ -n "$MCORE_WHEELS" ]; then
-  if step install-megatron-core 40 "$PY" -m pip install "${FROM[@]}" -c "$OUT/constraints.txt" "$MCORE_SPEC"; then
+  # offline, pip cannot always match the installed CUDA torch to the pin (an H200's torch==2.11.0+cu130 was
+  # "ResolutionImpossible"): megatron-core goes in without dependencies, beside the one it needs from the wheels
+  MCORE_ARGS=(-c "$OUT/constraints.txt" "$MCORE_SPEC")
+  [ -n "$OFFLINE" ] && MCORE_ARGS=(--no-deps "$MCORE_SPEC" "packaging>=24.2")
+  if step install-megatron-core 40 "$PY" -m pip install "${FROM[@]}" "${MCORE_ARGS[@]}"; then
     found
   fi
 fi
