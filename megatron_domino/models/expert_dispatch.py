@@ -3,7 +3,8 @@
 Expert-parallel rank j of ep holds experts [j * L, (j + 1) * L), L = num_experts / ep. One MoE forward:
 
 1. **counts**: every rank tells every peer how many of its rows go to each of that peer's experts (an
-   ``all_to_all_single`` of an int64 [E] device tensor), read on the host: the sizes of the next exchange.
+   ``all_to_all_single`` of the router's int64 [E] device counts); its own counts and the arrived ones are
+   read on the host in one sync: the sizes of the experts' GEMMs and of the next exchange.
 2. **dispatch**: the rows, sorted by global expert, go out with ``all_to_all_single`` and variable splits.
    They arrive grouped by source rank, then by local expert; one host-computed permutation regroups them
    by local expert (each expert's rows: source 0's first, each source's in its token order).
@@ -42,28 +43,32 @@ class _AllToAll(torch.autograd.Function):
 
 class ExpertExchange:
     """One routing group's token exchange over the expert-parallel ``group``, built from this rank's rows per
-    global expert (``sizes``, host ints, rows sorted by expert). ``local_sizes``: rows per local expert after
-    the dispatch."""
+    global expert (``counts``, an int64 [E] device tensor; rows sorted by expert). After it: ``sizes``, the same
+    on the host, and ``local_sizes``, rows per local expert after the dispatch."""
 
-    def __init__(self, sizes: list[int], group, device):
+    def __init__(self, counts: torch.Tensor, group):
         self.group, ep = group, comm.group_size(group)
-        local = len(sizes) // ep
-        self.send = [sum(sizes[j * local:(j + 1) * local]) for j in range(ep)]
+        local = len(counts) // ep
         if ep == 1:
-            self.receive, self.local_sizes, self.order = self.send, sizes, None
+            self.sizes = counts.tolist()  # the host sync that sizes each expert's GEMM
+            self.send = self.receive = [sum(self.sizes)]
+            self.local_sizes, self.order = self.sizes, None
             return
-        counts = torch.tensor(sizes, dtype=torch.int64, device=device)
         arrived = torch.empty_like(counts)
         dist.all_to_all_single(arrived, counts, group=group)
         per_source = arrived.view(ep, local)
-        host = per_source.tolist()  # [source][local expert]: the host sync that sizes the exchange
-        self.receive = [sum(row) for row in host]
-        self.local_sizes = [sum(row[e] for row in host) for e in range(local)]
+        host = torch.cat([counts, arrived]).tolist()  # one host sync sizes the GEMMs and the exchange
+        self.sizes, arrived_rows = host[:len(counts)], host[len(counts):]
+        self.send = [sum(self.sizes[j * local:(j + 1) * local]) for j in range(ep)]
+        by_source = [arrived_rows[j * local:(j + 1) * local] for j in range(ep)]  # [source][local expert]
+        self.receive = [sum(row) for row in by_source]
+        self.local_sizes = [sum(row[e] for row in by_source) for e in range(local)]
         # arrived row k of segment (source j, expert e) -> position in segment (expert e, source j) order
         starts = (per_source.flatten().cumsum(0) - per_source.flatten()).view(ep, local).t().flatten()
         lengths = per_source.t().flatten()
         regrouped_starts = lengths.cumsum(0) - lengths
         total = sum(self.receive)
+        device = counts.device
         self.order = (torch.arange(total, device=device)
                       + torch.repeat_interleave(starts - regrouped_starts, lengths, output_size=total))
         self.home = torch.empty_like(self.order)

@@ -17,9 +17,10 @@ exchange the same rows with their own peers, so each TP rank's partials stay in 
 1 (``parallel.expert_tp``, ``ctx.experts_split`` False) experts stay whole and ``ctx.ep_group`` spans tp x ep
 ranks: each TP rank routes only its slice of the tokens, so its partial is its tokens' whole output (zero
 elsewhere) and the same one all-reduce completes the layer; no expert gradient is summed over TP. Rows are
-sorted by expert in one sort; their sizes are read on the host (one sync per layer and forward, two under
-EP). The input enters the TP region once for all experts (copy, or the SP all-gather) without Domino's
-asynchronous input-gradient reduction, which serves one linear.
+sorted by expert in one sort; their sizes are read on the host (one sync per layer and forward, also
+under EP, where the counts from the peers come with them). The input enters the TP region once for all
+experts (copy, or the SP all-gather) without Domino's asynchronous input-gradient reduction, which serves one
+linear.
 
 TP and the router: the router weight is replicated and its fp32 logits enter the TP region like an
 activation (backward sums the logits' gradient over TP), so the logits are identical on every TP rank.
@@ -153,10 +154,11 @@ class MoE(nn.Module):
         kept = routing.kept if self.split else routing.kept & self._my_tokens(len(tokens))
         key = torch.where(kept, routing.experts, self.num_experts).flatten()
         order = key.argsort(stable=True)
-        sizes = torch.bincount(key, minlength=self.num_experts + 1).tolist()[:self.num_experts]
-        assignments = order[:sum(sizes)]
+        # rows per expert by a scatter-add: CUDA's bincount would read its output size on the host
+        counts = key.new_zeros(self.num_experts + 1).scatter_add_(0, key, torch.ones_like(key))
+        exchange = ExpertExchange(counts[:self.num_experts], self.ctx.ep_group)
+        assignments = order[:sum(exchange.sizes)]
         token_ids = assignments // self.topk
-        exchange = ExpertExchange(sizes, self.ctx.ep_group, tokens.device)
         fc1 = experts_linear(exchange.dispatch(tokens[token_ids]), exchange.local_sizes,
                              [expert.fc1 for expert in self.experts.values()], self.grouped_gemm)
         hidden = next(iter(self.experts.values())).activate(fc1)

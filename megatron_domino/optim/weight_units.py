@@ -48,7 +48,9 @@ class WeightUnits:
         self.units, self.orders = units, orders  # orders: (chunk, backward) -> [Unit]
         self.depth, self.reshard_after_forward = prefetch_depth, reshard_after_forward
         self.held: list[Unit] = []  # gathered or gathering, oldest first
-        self.by_storage: dict[int, Unit] = {}  # data_ptr of a gathered bucket -> its unit (for ``pack``)
+        # a gathered bucket's storage -> its unit (for ``pack``): keyed by the storage itself (``_storage_key``),
+        # not its data pointer, which is 0 for every storage of a rehearsal's fake tensors
+        self.by_storage: dict[int, Unit] = {}
         self.where: tuple | None = None  # (chunk, backward, index into that order) of the last touch
         self.on_demand = self.prefetched = self.peak_bytes = 0
         self.trace: list | None = None
@@ -91,7 +93,7 @@ class WeightUnits:
         unit.works = [work for work in works if work is not None and async_op]
         self.held.append(unit)
         for store, bucket in unit.parts:
-            self.by_storage[store.full(bucket).untyped_storage().data_ptr()] = unit
+            self.by_storage[_storage_key(store.full(bucket))] = unit
         self.peak_bytes = max(self.peak_bytes, self.held_bytes())
 
     def release(self, unit: Unit) -> None:
@@ -99,7 +101,7 @@ class WeightUnits:
             work.wait()
         unit.works = []
         for store, bucket in unit.parts:
-            self.by_storage.pop(store.full(bucket).untyped_storage().data_ptr(), None)
+            self.by_storage.pop(_storage_key(store.full(bucket)), None)
             store.release(bucket)
         self.held.remove(unit)
 
@@ -129,7 +131,7 @@ class WeightUnits:
         """A tensor autograd saves: a gathered weight (or a view of one) is remembered with its unit; anything
         else goes to the ``outer`` pack hook, if hooks were installed around ours (activation offload, the
         rehearsal's accounting)."""
-        unit = self.by_storage.get(tensor.untyped_storage().data_ptr())
+        unit = self.by_storage.get(_storage_key(tensor))
         if unit is None:
             return tensor if outer is None else outer(tensor)
         return _SavedWeight(unit, tensor)
@@ -155,3 +157,8 @@ def _find(order: list[Unit], unit: Unit, start: int) -> int | None:
             if order[index] is unit:
                 return index
     return None
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    """The address of the storage behind ``tensor`` (and all its views), unique among live storages."""
+    return tensor.untyped_storage()._cdata

@@ -33,8 +33,8 @@ _SKIPPED = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.dirname(os
 BY_DESIGN = {
     ("optim/loss_scaler.py", "found_inf_across_ranks"): "fp16: an overflowed step is skipped on the host",
     ("optim/distributed_optimizer.py", "_found_inf"): "fp16: an overflowed step is skipped on the host",
-    ("models/moe.py", "hidden"): "MoE: the token count per expert sizes each expert's GEMM",
-    ("models/expert_dispatch.py", "__init__"): "MoE under EP: the token counts size the all-to-all",
+    ("models/expert_dispatch.py", "__init__"): "MoE: the token count per expert sizes each expert's GEMM "
+                                               "(and under EP the all-to-all)",
     ("training/guard.py", "_accept"): "the bad-step guard reads the loss and the grad norm",
     ("training/guard.py", "_first_rank"): "the bad-step guard names the rank of a non-finite gradient",
     ("optim/host_step.py", "_step_bucket"): "CPU offload: the host thread waits for the gradients it steps",
