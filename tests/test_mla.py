@@ -181,13 +181,14 @@ def test_deepseek_configs_hold_the_planners_first_choice(name, world):
 @pytest.mark.slow
 def test_tiny_deepseek_v3_config_trains(tmp_path):
     """configs/tiny/deepseek_v3.yaml through the Llama entry point on mock data at tp 2 × dp 2 × ep 2 with Domino:
-    the loss falls and the expert bias moves."""
+    the loss falls, the expert bias moves, and the MTP module's loss is logged on its own and falls too."""
     from tests.training_runs import metrics, train
     train("deepseek_v3", 4, str(tmp_path), ["train.steps=12", "log.interval=1", "checkpoint.interval=0",
                                             "parallel.tp=2", "parallel.dp=2", "parallel.ep=2"])
     records = metrics(str(tmp_path))
     assert records[-1]["loss"] < records[0]["loss"] - 0.03, [r["loss"] for r in records]
     assert any(key.startswith("moe_expert_bias") for key in records[-1]), sorted(records[-1])
+    assert records[-1]["mtp_loss"] < records[0]["mtp_loss"], [r["mtp_loss"] for r in records]
 
 
 @pytest.mark.quick

@@ -29,7 +29,8 @@ from megatron_domino.pipeline.simulate import Costs, simulate
 from megatron_domino.pipeline.stages import layer_partition
 from megatron_domino.planner.hardware import get_gpu
 from megatron_domino.planner.activations import chunk_activation_bytes
-from megatron_domino.planner.memory import estimate_memory, in_flight, largest_weight, rank_parameters
+from megatron_domino.planner.memory import bucket_weights, estimate_memory, gathered_window, in_flight, rank_parameters
+from megatron_domino.planner.moe import layer_parameters
 from megatron_domino.planner.timing import estimate_step_time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -212,7 +213,10 @@ def test_zero_stages_and_offload_per_weight():
     inside the buffer), 2 + 16/d (ZeRO-2) plus its buckets in flight; offload moves the 12/d to the host."""
     base = ["train.bf16=true", "train.global_batch_size=32", "optimizer.bucket_size_mb=0.001"]
     weights = estimate_memory(_tiny(GPT, *base), 4, CPU).params / 2
-    buckets = 3 * largest_weight(_tiny(GPT)) * 4  # written + IN_FLIGHT, each one whole fp32 weight here
+    # written + IN_FLIGHT, each one whole fp32 weight here: the (tied) word embedding and twice a block's widest
+    # weight, its fused QKV (h x 3h)
+    assert bucket_weights(_tiny(GPT)) == (((1024 * 64, 64 * 3 * 64, 64 * 3 * 64), 0.0),)
+    buckets = (1024 * 64 + 2 * 64 * 3 * 64) * 4
     for stage, offload, fraction, device, host in [(1, "null", 1.0, 6 + 3, 0), (2, "null", 1.0, 2 + 1 + 3, 0),
                                                    (1, "cpu", 1.0, 6, 3), (2, "cpu", 0.5, 2 + 1 + 1.5, 1.5)]:
         est = estimate_memory(_tiny(GPT, *base, f"optimizer.zero_stage={stage}", f"optimizer.offload={offload}",
@@ -225,6 +229,20 @@ def test_zero_stages_and_offload_per_weight():
                                  "optimizer.offload=cpu", "optimizer.offload_fraction=0.5"), 4, CPU)
     assert fp32.optimizer == pytest.approx(0.5 * 8 / 4 * weights) and fp32.host == pytest.approx(0.5 * 12 / 4 * weights)
 
+
+def test_zero3_gathers_consecutive_units_and_reduces_the_largest_buckets():
+    """ZeRO-3 holds the unit in use and the next one (prefetch depth 1, ``optim.weight_hooks.unit_orders``): the
+    embedding with the first block, the last block with the output layer, never both vocabulary-sized units. The
+    full gradient buckets held at once are the embedding's and the output layer's (the first written in a backward
+    pass while the last pass's embedding is still reduced) and a block's widest weight's (SwiGLU's fc1, h x 2f)."""
+    emb, fc1 = 1024 * 64, 64 * 2 * 128
+    for pp, expected in [(1, [(emb, emb, fc1)]), (2, [(emb, fc1, fc1), (emb, fc1, fc1)])]:
+        cfg = _tiny(LLAMA, "optimizer.zero_stage=3", f"parallel.pp={pp}")  # untied embeddings
+        block = sum(layer_parameters(cfg.model, 0, 1))
+        assert [dense for dense, _ in bucket_weights(cfg)] == expected
+        assert [gathered_window(cfg, rank) for rank in range(pp)] == [emb + block] * pp
+    tied = _tiny(GPT, "optimizer.zero_stage=3")  # the tied head reads the embedding again after the last block
+    assert gathered_window(tied, 0) == 1024 * 64 + 64 * 64 + sum(layer_parameters(tied.model, 0, 1))
 
 # ----- schedules: in-flight micro-batches and the bubble vs the simulator -----------------------------
 @pytest.mark.parametrize("pp,m,v", [(4, 8, 1), (4, 2, 1), (2, 4, 2), (4, 12, 3), (4, 4, 2)])

@@ -53,16 +53,11 @@ def _cost(spec) -> float:
     return model.num_layers * (3 if model.num_experts else 1) * (3 if par.cp > 1 else 1)
 
 
-# The rehearsal cannot run these yet, and why (the README's rehearsal section says the same).
-NOT_REHEARSED = {"configs/qwen3/235b-a22b.yaml": "MoE + EP + full recompute: a recomputed ExpertExchange's "
-                                                 "torch.tensor(sizes, device=...) reaches the real CUDA backend"}
-
-
 @pytest.mark.slow
 def test_every_shipped_config_rehearses_within_the_planner_and_fits():
-    configs = {os.path.relpath(path, REPO): gpus for path, gpus in sized_configs(os.path.join(REPO, "configs")).items()
-               if os.path.relpath(path, REPO) not in NOT_REHEARSED}
-    assert len(configs) == 19, sorted(configs)  # GPT-3 125M-175B, Llama-2/3/3.1 with long context, Mixtral, Qwen3
+    configs = {os.path.relpath(path, REPO): gpus for path, gpus in sized_configs(os.path.join(REPO, "configs")).items()}
+    # GPT-3 125M-175B, Llama-2/3/3.1 with long context, Mixtral, Qwen3 (235B: EP 128 with full recompute), DeepSeek
+    assert len(configs) == 22, sorted(configs)
     results = _side_by_side([(config, gpus, []) for config, gpus in configs.items()], "outer", _cost)
     assert sorted(r["config"] for r in results) == sorted(configs)
     failures = [f"{r['config']}: {problem}" for r in results for problem in r["problems"]]
@@ -88,7 +83,7 @@ LAYOUTS = [  # (tiny config, world size, overrides): the parity tests' layouts
     ("configs/tiny/gpt.yaml", 2, ["train.on_bad_step=skip"]),
 ]
 BY_DESIGN = {"train.fp16=true": "optim/loss_scaler.py", "train.on_bad_step=skip": "training/guard.py",
-             "parallel.ep=2": "models/moe.py"}
+             "parallel.ep=2": "models/expert_dispatch.py"}
 
 
 @pytest.mark.slow

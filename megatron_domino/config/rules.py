@@ -13,6 +13,7 @@ from .checks import Checks
 from .data_path import parse_data_path
 from .errors import ConfigError
 from .validate_attention import check_attention
+from .validate_mtp import check_mtp
 from .validate_context_parallel import check_context_parallel
 from .schema import (
     ACTIVATIONS,
@@ -74,6 +75,7 @@ def check_model(c: Checks, cfg: Config, device_type: str | None) -> None:
     c.in_range("model.attention_dropout", m.attention_dropout, 0.0, 1.0)
     c.in_range("model.hidden_dropout", m.hidden_dropout, 0.0, 1.0)
     check_attention(c, m)
+    check_mtp(c, m)
     if m.position_embedding == "learned" and m.seq_length > m.max_positions:
         c.fail("model.seq_length", m.seq_length,
                f"exceeds model.max_position_embeddings = {m.max_positions} (learned position table)",

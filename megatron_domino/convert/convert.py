@@ -40,6 +40,7 @@ from .hf_io import (
     shard_names,
     write_hf_index,
 )
+from .deepseek_v3 import hub_mtp_layers
 from .hf_mapping import group_of, groups, hf_group_to_native, native_group_to_hf
 from .native_io import MODEL, NativeTensors, check_layout, layout, model_only_metadata, open_native, write_native
 
@@ -111,6 +112,8 @@ def hf_to_native(input_dir: str, output: str, *, tp: int = 1, pp: int = 1, model
     model_type = detect_model_type(hf_cfg, model)
     model_cfg = model_config_from_hf(hf_cfg, model_type, seq_length)
     source = open_hf_checkpoint(input_dir, model_type)
+    if model_type == "deepseek_v3":  # the MTP modules the files hold (transformers saves none)
+        model_cfg = replace(model_cfg, mtp_num_layers=hub_mtp_layers(hf_cfg, model_cfg, source.keys()))
     produce = lambda group, meta: hf_group_to_native(source.view(meta), group, model_cfg, model_type)  # noqa: E731
     group_list = groups(model_cfg)
     specs = _plan(group_list, produce)

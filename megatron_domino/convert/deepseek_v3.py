@@ -6,7 +6,10 @@ projection (query latent first), q_b_proj / q_proj, kv_b_proj and o_proj our ``q
 rotate halves, so the RoPE rows are de-interleaved on the way in and interleaved on the way out (a permutation: the
 attention scores, and a round trip, are exact). The first ``first_k_dense_replace`` layers have Llama's MLP; the rest
 route with sigmoid scores, ``e_score_correction_bias`` (our ``expert_bias``), groups and the routed scaling, plus
-the shared experts. The multi-token-prediction layers the hub files hold after the last layer are not converted.
+the shared experts. The multi-token-prediction modules (``models.mtp``) are the hub files' layers after the last one
+(``num_nextn_predict_layers``): enorm, hnorm, eh_proj, a layer, shared_head.norm, and copies of the embedding and
+the head, which ours share (written out on export, not read in); a checkpoint without those tensors (as
+transformers saves it: it does not run them) converts without MTP.
 DeepSeek-V3's sequence-wise balance loss is not carried (its weight is not in config.json): ``moe_aux_loss_coeff``
 is 0 and the expert bias balances, updated at DeepSeek's rate 1e-3.
 """
@@ -65,7 +68,13 @@ def deepseek_v3_hf_config(cfg: ModelConfig) -> dict:
             "topk_group": cfg.moe_topk_group or 1, "routed_scaling_factor": cfg.moe_routed_scaling_factor,
             "norm_topk_prob": cfg.moe_norm_topk_prob, "hidden_act": "silu", "attention_bias": False,
             "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.norm_eps,
-            "attention_dropout": cfg.attention_dropout, "num_nextn_predict_layers": 0, **hf_rope(cfg)}
+            "attention_dropout": cfg.attention_dropout, "num_nextn_predict_layers": cfg.mtp_num_layers, **hf_rope(cfg)}
+
+
+def hub_mtp_layers(hf: dict, cfg: ModelConfig, names) -> int:
+    """MTP modules to convert: config.json's ``num_nextn_predict_layers`` whose tensors the files hold."""
+    wanted = hf.get("num_nextn_predict_layers") or 0
+    return sum(1 for k in range(wanted) if f"model.layers.{cfg.num_layers + k}.eh_proj.weight" in names)
 
 
 def is_deepseek_v3(cfg: ModelConfig) -> bool:
@@ -149,18 +158,45 @@ def _feed_forward(source: dict, p: str, n: str, i: int, cfg, to_native: bool) ->
 
 
 def deepseek_v3_layer_to_native(hf: dict, i: int, cfg) -> dict:
-    p, n = f"model.layers.{i}.", f"layers.{i}."
+    return _block_to_native(hf, f"model.layers.{i}.", f"layers.{i}.", i, cfg)
+
+
+def native_layer_to_deepseek_v3(native: dict, i: int, cfg) -> dict:
+    return _block_to_hf(native, f"model.layers.{i}.", f"layers.{i}.", i, cfg)
+
+
+def _block_to_native(hf: dict, p: str, n: str, i: int, cfg) -> dict:
     out = {**_norms(hf, p, n, True), **_attention_to_native(hf, p, n, cfg), **_feed_forward(hf, p, n, i, cfg, True)}
     if cfg.is_moe_layer(i) and cfg.moe_router_bias_update_rate > 0:
         out[n + "mlp.router.expert_bias"] = hf[p + "mlp.gate.e_score_correction_bias"]
     return out
 
 
-def native_layer_to_deepseek_v3(native: dict, i: int, cfg) -> dict:
-    p, n = f"model.layers.{i}.", f"layers.{i}."
+def _block_to_hf(native: dict, p: str, n: str, i: int, cfg) -> dict:
     out = {**_norms(native, p, n, False), **_native_attention_to_hf(native, p, n, cfg),
            **_feed_forward(native, p, n, i, cfg, False)}
     if cfg.is_moe_layer(i):  # a model trained without the bias routes as with a zero one
         bias = n + "mlp.router.expert_bias"
         out[p + "mlp.gate.e_score_correction_bias"] = native[bias] if bias in native else torch.zeros(cfg.num_experts)
     return out
+
+
+_MTP_PARTS = {"embedding_norm.weight": "enorm.weight", "hidden_norm.weight": "hnorm.weight",
+              "projection.weight": "eh_proj.weight", "final_norm.weight": "shared_head.norm.weight"}
+
+
+def deepseek_v3_mtp_to_native(hf: dict, k: int, cfg) -> dict:
+    """MTP module ``k``: the hub's layer num_layers + k (its embedding and head copies are ours, shared)."""
+    i = cfg.num_layers + k
+    p, n = f"model.layers.{i}.", f"mtp.layers.{k}."
+    return {**{n + ours: hf[p + theirs] for ours, theirs in _MTP_PARTS.items()},
+            **_block_to_native(hf, p, n + "block.", i, cfg)}
+
+
+def native_mtp_to_deepseek_v3(native: dict, k: int, cfg) -> dict:
+    i = cfg.num_layers + k
+    p, n = f"model.layers.{i}.", f"mtp.layers.{k}."
+    head = "embedding.word_embeddings.weight" if cfg.tie_embeddings else "output_layer.weight"
+    return {**{p + theirs: native[n + ours] for ours, theirs in _MTP_PARTS.items()},
+            p + "embed_tokens.weight": native["embedding.word_embeddings.weight"],
+            p + "shared_head.head.weight": native[head], **_block_to_hf(native, p, n + "block.", i, cfg)}

@@ -184,6 +184,9 @@ def model_type_of(cfg: ModelConfig) -> str:
     switches = (cfg.position_embedding, cfg.norm, cfg.activation)
     if is_deepseek_v3(cfg):
         return "deepseek_v3"
+    if cfg.mtp_num_layers:
+        raise ValueError("model: multi-token prediction modules exist in HF's DeepSeek-V3 files only. Fix: export a "
+                         "DeepSeek-V3-shaped model (multi_latent_attention, moe_router=sigmoid), or train without")
     if cfg.num_experts and (cfg.moe_router_bias_update_rate > 0 or cfg.moe_n_group or cfg.moe_routed_scaling_factor
                             != 1.0):
         raise ValueError("model: an expert bias, group-limited routing or a routed scaling factor exists in HF's "

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .deepseek_v3 import deepseek_v3_layer_to_native, native_layer_to_deepseek_v3
+from .deepseek_v3 import (deepseek_v3_layer_to_native, deepseek_v3_mtp_to_native, native_layer_to_deepseek_v3,
+                          native_mtp_to_deepseek_v3)
 from .hf_experts import (MIXTRAL_EXPERTS, QWEN3_MOE_EXPERTS, experts_to_hf, experts_to_native, swiglu_to_hf,
                          swiglu_to_native)
 
@@ -177,19 +178,24 @@ LAYER_TO_HF = {"gpt2": native_layer_to_gpt2, "llama": native_layer_to_llama, "mi
                "qwen2": native_layer_to_llama, "qwen3": native_layer_to_llama, "qwen3_moe": native_layer_to_qwen3_moe}
 LAYER_TO_NATIVE["deepseek_v3"], LAYER_TO_HF["deepseek_v3"] = deepseek_v3_layer_to_native, native_layer_to_deepseek_v3
 GLOBALS = {"gpt2": GPT2_GLOBALS, **{kind: LLAMA_GLOBALS for kind in LAYER_TO_HF if kind != "gpt2"}}
-# Conversion groups, in model order: the embedding ("pre"), each layer index, then norm and head ("post").
-PRE, POST = "pre", "post"
+# Conversion groups, in model order: the embedding ("pre"), each layer index, each MTP module ("mtp.<k>"), then
+# norm and head ("post").
+PRE, POST, MTP = "pre", "post", "mtp."
+MTP_TO_NATIVE, MTP_TO_HF = {"deepseek_v3": deepseek_v3_mtp_to_native}, {"deepseek_v3": native_mtp_to_deepseek_v3}
 
 
 def groups(cfg) -> list:
-    """Every conversion group of a model: converting one group needs only that group's tensors."""
-    return [PRE, *range(cfg.num_layers), POST]
+    """Every conversion group of a model: converting one group needs only that group's tensors (MTP's export also
+    reads the embedding and head, whose copies the hub files hold)."""
+    return [PRE, *range(cfg.num_layers), *(f"{MTP}{k}" for k in range(cfg.mtp_num_layers)), POST]
 
 
 def group_of(native_name: str):
-    """The group holding a native tensor (a layer index, PRE or POST)."""
+    """The group holding a native tensor (a layer index, an MTP module, PRE or POST)."""
     if native_name.startswith("layers."):
         return int(native_name.split(".", 2)[1])
+    if native_name.startswith("mtp.layers."):
+        return MTP + native_name.split(".", 3)[2]
     return PRE if native_name.startswith("embedding.") else POST
 
 
@@ -203,6 +209,8 @@ def hf_group_to_native(hf, group, cfg, model_type: str) -> dict:
     """One group of an HF state dict (any mapping name -> tensor) -> native names."""
     if group in (PRE, POST):
         return {ours: hf[theirs] for ours, theirs in _global_names(cfg, model_type, group).items() if theirs in hf}
+    if isinstance(group, str):
+        return MTP_TO_NATIVE[model_type](hf, int(group[len(MTP):]), cfg)
     return LAYER_TO_NATIVE[model_type](hf, group, cfg)
 
 
@@ -211,6 +219,8 @@ def native_group_to_hf(native, group, cfg, model_type: str) -> dict:
     if group in (PRE, POST):
         return {theirs: native[ours] for ours, theirs in _global_names(cfg, model_type, group).items()
                 if ours in native}
+    if isinstance(group, str):
+        return MTP_TO_HF[model_type](native, int(group[len(MTP):]), cfg)
     return LAYER_TO_HF[model_type](native, group, cfg)
 
 

@@ -39,8 +39,8 @@ def domino_forward(model, input_tensor: torch.Tensor | None, batch: dict, return
     slices = [slice(begin, end) for begin, end in zip(starts, starts[1:])]
     context = model.token_context(batch, batch_size)
     order = forward_order(len(model.layers), rows, plan.overlap, model.has_embedding, model.has_head)
+    contexts = [context.rows(r, len(slices)) for r in slices]
     outputs = run_order(order, model.layers, [] if model.has_embedding else [input_tensor[r] for r in slices],
-                        [context.rows(r, len(slices)) for r in slices], column_pieces=columns,
-                        embed=lambda c: model.embed_async(batch, slices[c]),
-                        head=lambda x, c: model.head(x, batch, slices[c], return_logits))
+                        contexts, column_pieces=columns, embed=lambda c: model.embed_async(batch, slices[c]),
+                        head=lambda x, c: model.head(x, batch, slices[c], return_logits, contexts[c]))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

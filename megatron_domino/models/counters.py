@@ -29,6 +29,10 @@ Mixture of experts (``model.num_experts``): an MoE layer's MLP is replaced by a 
 experts and the shared experts, each an MLP of its width. *Total* parameters count every expert; *active*
 ones (``active=True``) only the top-k experts a token runs through (router and shared experts included).
 FLOPs per token, and so MFU, count the active matmul weights only.
+
+Multi-token prediction (``model.mtp_num_layers`` = D, ``models/mtp.py``): each module adds a block of the last
+layer's kind, three norms and its projection 2*h*h (it shares the embedding and the output head); its FLOPs are the
+block's, the projection's and one more pass of the output head: 6*(block + 2*h*h + V*h) + the block's attention.
 """
 from __future__ import annotations
 
@@ -80,10 +84,22 @@ def norm_parameters(model: ModelConfig) -> int:
 
 
 def count_parameters(model: ModelConfig, tp: int = 1, padded_vocab: bool = False, active: bool = False) -> int:
-    """Total parameters of the model (``active``: those one token runs through, for MoE). ``padded_vocab`` counts
-    the TP-padded vocabulary (``tp`` sets the padding)."""
-    h, d = model.hidden_size, model.head_dim
+    """Total parameters of the model (``active``: those one token runs through, for MoE), MTP's modules included.
+    ``padded_vocab`` counts the TP-padded vocabulary (``tp`` sets the padding)."""
+    h = model.hidden_size
     vocab = _vocab(model, tp, padded_vocab)
+    blocks = range(model.num_layers + model.mtp_num_layers)
+    total = vocab * h + norm_parameters(model) + sum(_block_parameters(model, i, active) for i in blocks)
+    total += model.mtp_num_layers * (3 * norm_parameters(model) + 2 * h * h)
+    if model.position_embedding == "learned":
+        total += model.max_positions * h
+    if not model.tie_embeddings:
+        total += vocab * h
+    return total
+
+
+def _block_parameters(model: ModelConfig, layer: int, active: bool) -> int:
+    h, d = model.hidden_size, model.head_dim
     per_layer = _attention_weights(model) + 2 * norm_parameters(model)
     if model.is_mla:  # the latents' norms
         per_layer += (model.q_lora_rank or 0) + model.kv_lora_rank
@@ -93,21 +109,17 @@ def count_parameters(model: ModelConfig, tp: int = 1, padded_vocab: bool = False
         per_layer += h
     if model.qk_norm:
         per_layer += 2 * d
-    total = vocab * h + norm_parameters(model)
-    total += sum(per_layer + _feed_forward(model, i, active, biases=True) for i in range(model.num_layers))
-    if model.position_embedding == "learned":
-        total += model.max_positions * h
-    if not model.tie_embeddings:
-        total += vocab * h
-    return total
+    return per_layer + _feed_forward(model, layer, active, biases=True)
 
 
 def flops_per_token(model: ModelConfig, seq_length: int | None = None) -> float:
     """Training FLOPs (forward + backward) per token at ``seq_length`` (default: the model's), unpadded vocab;
     active weights only (MoE)."""
     s = model.seq_length if seq_length is None else seq_length
-    matmul_weights = model.vocab_size * model.hidden_size + sum(
-        _attention_weights(model) + _feed_forward(model, i, active=True, biases=False) for i in range(model.num_layers))
+    h, depth = model.hidden_size, model.mtp_num_layers
+    blocks = model.num_layers + depth
+    matmul_weights = (1 + depth) * model.vocab_size * h + depth * 2 * h * h + sum(
+        _attention_weights(model) + _feed_forward(model, i, active=True, biases=False) for i in range(blocks))
     score_dim, value_dim = (model.key_head_dim, model.v_head_dim) if model.is_mla else (model.head_dim,) * 2
-    attention = 6 * model.num_layers * s * model.num_attention_heads * (score_dim + value_dim)
+    attention = 6 * blocks * s * model.num_attention_heads * (score_dim + value_dim)
     return float(6 * matmul_weights + attention)

@@ -1,9 +1,10 @@
 """The one language model: GPT and Llama are configurations of it.
 
 A ``LanguageModel`` holds one pipeline chunk: the embedding only where ``has_embedding``, the
-final norm, output head and loss only where ``has_head``, and exactly the blocks named in
-``layer_ids``. Nothing of other stages is ever allocated. Parameters carry global names
-(``layers.<global index>...``) so checkpoints and initialisation do not depend on the layout.
+final norm, output head and loss (and the multi-token prediction modules, ``mtp.py``) only where
+``has_head``, and exactly the blocks named in ``layer_ids``. Nothing of other stages is ever allocated.
+Parameters carry global names (``layers.<global index>...``) so checkpoints and initialisation do not depend on
+the layout.
 """
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from torch import nn
 
 from ..tensor_parallel.async_comm import launch_reduce
 from ..parallel import comm
-from ..tensor_parallel import (ParamInfo, ShardSpec, LayerContext, VocabParallelEmbedding, column_parallel_linear, declare,
-                               make_param, sharding_table, vocab_parallel_cross_entropy)
+from ..tensor_parallel import (ParamInfo, ShardSpec, LayerContext, VocabParallelEmbedding, column_parallel_linear,
+                               declare, make_param, partial_lookup, sharding_table, vocab_parallel_cross_entropy)
 from .block import TransformerBlock
 from .moe import MoE
+from .mtp import MultiTokenPrediction
 from .norms import Norm
 from .ring_attention import local_positions
 from .rope import model_frequencies, rotary_tables
-from .tokens import TokenContext
+from .tokens import NO_CONTEXT, TokenContext
 
 WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
@@ -52,14 +54,21 @@ class LanguageModel(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg, self.ctx, layer_number=i) for i in self.layer_ids)
         if has_head:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.ctx)
+            spec = ShardSpec(0, (self.padded_vocab,))
             if not (cfg.tie_embeddings and has_embedding):
-                spec = ShardSpec(0, (self.padded_vocab,))
                 self.output_layer = nn.Module()
                 # Tied: a copy of the first stage's embedding, kept equal by the pipeline.
                 declare(self.output_layer, "weight", make_param((spec.local_size(self.ctx.size), cfg.hidden_size),
                                                                 self.ctx),
                         ParamInfo(spec, "normal", cfg.init_std, vocab_rows=cfg.vocab_size,
                                   tied_to=WORD_EMBEDDINGS if cfg.tie_embeddings else None))
+            if cfg.mtp_num_layers:
+                self.mtp = MultiTokenPrediction(cfg, self.ctx)
+                if not has_embedding and not cfg.tie_embeddings:  # MTP reads the embedding: a tied copy of it
+                    self.mtp_embedding = nn.Module()
+                    declare(self.mtp_embedding, "weight", make_param((spec.local_size(self.ctx.size), cfg.hidden_size),
+                                                                     self.ctx),
+                            ParamInfo(spec, "normal", cfg.init_std, vocab_rows=cfg.vocab_size, tied_to=WORD_EMBEDDINGS))
         self._table = sharding_table(self)
 
     # ----- names independent of the layout -------------------------------------------------------
@@ -84,9 +93,21 @@ class LanguageModel(nn.Module):
             return self.output_layer.weight
         return self.embedding.word_embeddings.weight
 
+    def embedding_copy(self) -> torch.Tensor | None:
+        """A last stage's copy of the first stage's word embedding (the tied head, or MTP's), kept equal to it."""
+        if self.has_embedding:
+            return None
+        if hasattr(self, "output_layer") and self.cfg.tie_embeddings:
+            return self.output_layer.weight
+        return self.mtp_embedding.weight if hasattr(self, "mtp_embedding") else None
+
+    def blocks(self) -> list[TransformerBlock]:
+        """This chunk's transformer blocks, the MTP modules' included."""
+        return list(self.layers) + ([module.block for module in self.mtp.layers] if hasattr(self, "mtp") else [])
+
     def moe_layers(self) -> list[tuple[int, MoE]]:
-        """(global layer index, layer) of this chunk's mixture-of-experts layers."""
-        return [(i, block.mlp) for i, block in zip(self.layer_ids, self.layers) if isinstance(block.mlp, MoE)]
+        """(global layer index, layer) of this chunk's mixture-of-experts layers (MTP's after the main model's)."""
+        return [(block.layer_number, block.mlp) for block in self.blocks() if isinstance(block.mlp, MoE)]
 
     def reset_routing_stats(self) -> None:
         """A training step begins: its MoE layers count their routing afresh (for the step's metrics)."""
@@ -105,7 +126,7 @@ class LanguageModel(nn.Module):
         context = self.token_context(batch, hidden.shape[0])
         for block in self.layers:
             hidden = block(hidden, context)
-        return self.head(hidden, batch, slice(None), return_logits) if self.has_head else hidden
+        return self.head(hidden, batch, slice(None), return_logits, context) if self.has_head else hidden
 
     def token_context(self, batch: dict, batch_size: int) -> TokenContext:
         """The tokens' context for every block: rotary tables, document offsets, the step's auxiliary loss
@@ -115,13 +136,28 @@ class LanguageModel(nn.Module):
                   if self.cfg.position_embedding == "rope" else None)
         return TokenContext(rotary, batch.get("doc_offsets"), batch.get("aux_loss_weight", 1.0), balance={})
 
-    def head(self, hidden: torch.Tensor, batch: dict, rows: slice, return_logits: bool) -> torch.Tensor:
-        """Final norm, output layer and the loss (or the logits) of the samples ``rows``."""
-        hidden = self.final_norm(hidden)
-        logits = column_parallel_linear(hidden, self.output_weight(), None, self.ctx)
+    def head(self, hidden: torch.Tensor, batch: dict, rows: slice, return_logits: bool,
+             context: TokenContext = NO_CONTEXT) -> torch.Tensor:
+        """Final norm, output layer and the per-token loss [b, s] (or the logits) of the samples ``rows``; with
+        MTP, [b, s, 1 + D]: the next token's loss, then each depth's (``context``: the rows' token context)."""
         if return_logits:
+            logits = column_parallel_linear(self.final_norm(hidden), self.output_weight(), None, self.ctx)
             return comm.gather_from_tp(logits, self.ctx.group)[..., :self.cfg.vocab_size].float()
-        return vocab_parallel_cross_entropy(logits, batch["labels"][rows], self.cfg.vocab_size, self.ctx.group)
+        loss = self._token_loss(self.final_norm(hidden), batch["labels"][rows])
+        if not hasattr(self, "mtp"):
+            return loss
+        embed = lambda tokens: self._embed_again(tokens, batch, rows)  # noqa: E731
+        return torch.stack([loss] + self.mtp(hidden, batch, rows, context, embed, self._token_loss), dim=-1)
+
+    def _embed_again(self, tokens: torch.Tensor, batch: dict, rows: slice) -> torch.Tensor:
+        """MTP's embedding of ``tokens`` on the last stage: the word embedding, or its copy there."""
+        weight = self.embedding.word_embeddings.weight if self.has_embedding else self.embedding_copy()
+        partial = partial_lookup(tokens, weight, self.padded_vocab, self.ctx)
+        return self._embedding_tail(comm.reduce_from_tp(partial, self.ctx.group), batch, rows)
+
+    def _token_loss(self, normed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = column_parallel_linear(normed, self.output_weight(), None, self.ctx)
+        return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.ctx.group)
 
     def embed_async(self, batch: dict, rows: slice):
         """This chunk's embeddings with the all-reduce left in flight (``finish`` waits and applies the rest)."""
@@ -131,7 +167,7 @@ class LanguageModel(nn.Module):
 
     def _embedding_tail(self, hidden: torch.Tensor, batch: dict, rows: slice) -> torch.Tensor:
         """Position embeddings, the sequence-parallel split and dropout, once the token rows are complete."""
-        if hasattr(self.embedding, "position_embeddings"):
+        if self.has_embedding and hasattr(self.embedding, "position_embeddings"):
             positions = self._position_ids(batch, batch["tokens"].shape[0])[rows]
             hidden = hidden + F.embedding(positions, self.embedding.position_embeddings.weight)
         if self.ctx.sequence_parallel:

@@ -48,6 +48,6 @@ def apply_recompute(chunk, mode: str, rng: RNGTracker | None = None) -> None:
     projection in backward (``TransformerBlock.run_phase``: no communication is repeated, so Domino's
     overlap is untouched), "selective" only the attention core (``Attention.run_core``), "none" nothing."""
     runner = functools.partial(recompute, rng=rng)
-    for block in chunk.layers:
+    for block in chunk.blocks():
         block.run_phase = runner if mode == "full" else run
         block.attention.run_core = runner if mode == "selective" else run

@@ -33,7 +33,7 @@ def sharded_weight(param: torch.Tensor) -> bool:
 
 def unit_name(local_name: str) -> str:
     """'layers.3.mlp.fc1.weight' -> 'layers.3'; 'embedding.word_embeddings.weight' -> 'embedding'; the rest
-    (final norm, output layer) -> 'head'."""
+    (final norm, output layer, the MTP modules and their embedding copy) -> 'head'."""
     parts = local_name.split(".")
     if parts[0] == "layers":
         return ".".join(parts[:2])
@@ -48,14 +48,15 @@ def unit_keys(chunks) -> dict[int, str]:
 
 def unit_orders(chunks, units: dict[str, Unit]) -> dict[tuple[int, bool], list[Unit]]:
     """(chunk, backward) -> the units in the order that pass uses them. Forward: embedding, blocks, head (the
-    embedding again when the head reads its tied weight on this stage). Backward: the reverse, without the
-    input embedding, whose lookup's gradient needs no weight."""
+    embedding again when the head or MTP reads it on this stage; MTP's modules are in the head's unit). Backward:
+    the reverse, without the input embedding, whose lookup's gradient needs no weight."""
     orders = {}
     for index, chunk in enumerate(chunks):
         names = [EMBEDDING] + [f"layers.{i}" for i in range(len(chunk.layers))] + [HEAD]
         forward = [units[f"{index}:{n}"] for n in names if f"{index}:{n}" in units]
-        if getattr(chunk, "has_head", False) and getattr(chunk, "has_embedding", False) \
-                and not hasattr(chunk, "output_layer") and f"{index}:{EMBEDDING}" in units:
+        reads_again = not hasattr(chunk, "output_layer") or hasattr(chunk, "mtp")  # the tied head, MTP
+        if getattr(chunk, "has_head", False) and getattr(chunk, "has_embedding", False) and reads_again \
+                and f"{index}:{EMBEDDING}" in units:
             forward.append(units[f"{index}:{EMBEDDING}"])
         backward = forward[::-1]
         if getattr(chunk, "has_embedding", False) and backward and backward[-1].name == f"{index}:{EMBEDDING}":

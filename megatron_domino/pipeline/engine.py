@@ -2,7 +2,8 @@
 
 The loss of a step is the mean over every loss-masked token of the global batch, exactly as
 one device would compute it on the whole batch: each micro-batch contributes
-sum(loss * mask) / (tokens in the global batch), and the DP reduction sums. The value is
+sum(loss * mask) / (tokens in the global batch), and the DP reduction sums. Multi-token prediction's
+losses (``models/mtp.py``) are masked by their own masks and divided by the same global count. The value is
 then shared with every rank as a device tensor: nothing here waits for the device, so the
 caller reads it (``.item()``) only when it logs.
 
@@ -40,6 +41,10 @@ class PipelineEngine:
         self.holds_loss = any(c.has_head for c in chunks)
         self.needs_tokens = any(c.has_embedding for c in chunks)
         self._loss_factor = torch.ones((), dtype=torch.float64, device=device)
+        # multi-token prediction (models/mtp.py): its losses' weight, their sum over this rank's micro-batches, and
+        # the last step's mean per depth (for the log)
+        self.mtp_depth, self._mtp_weight = model.mtp_num_layers, model.mtp_loss_scale / max(1, model.mtp_num_layers)
+        self._mtp_sum, self.mtp_loss = None, None
         # The strict transport emulates NCCL's p2p rules on gloo (its announcements rely on gloo's tags and
         # buffering); on NCCL the rules hold by themselves, so the plain transport serves there.
         transport = StrictP2P if state.strict and dist.get_backend() == "gloo" else P2P
@@ -49,9 +54,18 @@ class PipelineEngine:
         self.device = device
 
     def _loss(self, per_token: torch.Tensor, batch: dict):
+        if self.mtp_depth:  # [b, s, 1 + D]: the next token's loss, then each depth's (masked here)
+            depths = batch["mtp_mask"].shape[-1] if "mtp_mask" in batch else 0  # a shape, known on the host
+            if depths != self.mtp_depth:
+                raise ValueError(f"the batch has MTP targets for {depths} depths, the model {self.mtp_depth}: make "
+                                 "them with models.mtp.with_mtp_targets(batch, model.mtp_num_layers), before any CP "
+                                 "split")
+            per_token, mtp = per_token[..., 0], (per_token[..., 1:] * batch["mtp_mask"]).sum()
+            self._mtp_sum += mtp.detach().double()
         mask = batch.get("loss_mask")
         total = (per_token * mask).sum() if mask is not None else per_token.sum()
-        return total * self._loss_factor.to(total.dtype), total.detach()
+        backprop = total + self._mtp_weight * mtp if self.mtp_depth else total
+        return backprop * self._loss_factor.to(total.dtype), total.detach()
 
     def _global_token_count(self, microbatches: list[dict]) -> torch.Tensor:
         counts = [batch["loss_mask"].sum(dtype=torch.float64) if "loss_mask" in batch
@@ -67,8 +81,11 @@ class PipelineEngine:
         if total_tokens is not None:
             self._loss_factor = loss_scale / total_tokens
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._mtp_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for loss in self.executor.run(program, DeviceBatches(microbatches, self.device)):
             loss_sum += loss.double()
+        if self.mtp_depth:  # each depth's mean over the main loss's tokens, averaged over the depths
+            self.mtp_loss = self._share_loss(self._mtp_sum, total_tokens) / self.mtp_depth
         return self._share_loss(loss_sum, total_tokens)
 
     def forward_backward(self, microbatches: list[dict], loss_scale: float = 1.0) -> torch.Tensor:

@@ -45,13 +45,15 @@ def chunk_places(cfg, pp_rank: int) -> list[ChunkPlace]:
 
 
 def tied_embedding_params(chunks) -> list[torch.Tensor]:
-    """The input embedding (first stage) or its copy in the output head (last stage), where pp > 1."""
+    """The input embedding (first stage) or its copy on the last stage (the tied output head, or the one MTP reads),
+    where pp > 1."""
     found = []
     for chunk in chunks:
-        if chunk.has_embedding and chunk.cfg.tie_embeddings and not chunk.has_head:
+        copied = chunk.cfg.tie_embeddings or chunk.cfg.mtp_num_layers > 0
+        if chunk.has_embedding and copied and not chunk.has_head:
             found.append(chunk.embedding.word_embeddings.weight)
-        if chunk.has_head and hasattr(chunk, "output_layer") and chunk.cfg.tie_embeddings:
-            found.append(chunk.output_layer.weight)
+        if chunk.has_head and chunk.embedding_copy() is not None:
+            found.append(chunk.embedding_copy())
     return found
 
 

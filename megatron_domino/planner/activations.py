@@ -22,13 +22,21 @@ t = tp, r = t under sequence parallelism else 1, a*d = query width, g*d = KV wid
                     attention-probability dropout keeps no mask in flash attention (on CPU, SDPA with
                     dropout falls back to the math kernel and keeps the score matrix: not modelled)
 
+Multi-head latent attention (``models/mla.py``) is counted with the attention row above, as g = a heads of
+the key head size d (qk_nope + qk_rope; its values are padded to d for the kernels): an approximation, not
+its tensors one by one. Its projection input, which full recompute keeps, is the values' width: e*a*v/t
+(v = v_head_dim, cut from the padded SDPA output).
+
 Selective recompute drops the logsumexp (SDPA's other inputs are the checkpoint's inputs and its output
 is the projection's input, so nothing else). Full recompute keeps, per layer, each phase's input
-(2e*h/r), the two projection inputs (e*a*d/t + e*f/t) and the dropout masks; one phase's activations
-are rebuilt at a time in backward (counted as transient). Per model chunk and micro-batch, the first
-stage adds token ids (8 B/token) and an embedding dropout mask; RoPE adds fp32 cos/sin (8d B/token);
-the last stage adds a norm, the head input (e*h) and the loss's fp32 softmax (4V/t) with int64
-targets; other stages keep the received input (e*h/r) when it is not the first norm's own saved input.
+(2e*h/r), the two projection inputs (e*a*d/t, MLA e*a*v/t; + e*f/t) and the dropout masks; one phase's
+activations are rebuilt at a time in backward (counted as transient). Per model chunk and micro-batch, the
+first stage adds token ids (8 B/token) and an embedding dropout mask; RoPE adds fp32 cos/sin (8 B per token
+and rotated dimension: d, MLA's qk_rope); the last stage adds a norm, the head input (e*h) and the loss's
+fp32 softmax (4V/t) with int64 targets; other stages keep the received input (e*h/r) when it is not the
+first norm's own saved input.
+Multi-token prediction adds, per module, on the last stage: a block of the last layer's kind, its token ids,
+two norms, the [embedding; hidden] concatenation the projection reads (2e*h/r) and the head's terms again.
 
 Context parallelism (cp > 1) and documents. A rank holds s/cp tokens of each sequence, so every
 per-token term above counts s/cp tokens. Ring attention (``models/ring_attention.py``) runs the same
@@ -96,7 +104,8 @@ def layer_activation_bytes(cfg: Config, gpu: GPU, moe: bool = False) -> tuple[fl
     expanded = g < a and model.attention_backend == "efficient"  # K and V copied per query head
     mask = _dropout_mask_bytes(cfg, gpu)
     if model.recompute == "full":
-        total = 2 * e * h / r + e * a * d / t + _feed_forward_bytes(cfg, moe) + 2 * mask
+        projection_input = e * a * (model.v_head_dim if model.is_mla else d) / t  # MLA: the values' width
+        total = 2 * e * h / r + projection_input + _feed_forward_bytes(cfg, moe) + 2 * mask
         return total, 0.0, 0.0
     qkv_storage = 0.0 if (rope and expanded) else e * (a + 2 * g) * d / t  # some of Q, K, V is a view of it
     new_qkv = e * d / t * (a * int(rope) + (2 * a if expanded else g * int(rope)))
@@ -123,13 +132,16 @@ def chunk_activation_bytes(cfg: Config, gpu: GPU, layers: int, first: bool, last
     total = (layers - moe_layers) * layer_activation_bytes(cfg, gpu)[0]
     total += moe_layers * layer_activation_bytes(cfg, gpu, moe=True)[0] if moe_layers else 0.0
     if layers and model.position_embedding == "rope":
-        total += 8 * model.key_head_dim
+        total += 8 * model.rope_dim  # the tables cover the rotated dimensions only
     if first:
         total += 8 + (1 if t > 1 else 0) + _dropout_mask_bytes(cfg, gpu)
     elif e != 4 and model.recompute != "full":
         total += e * h / r
     if last:
-        total += _norm_bytes(model, r, gpu) + e * h + 4 * model.padded_vocab_size(t) / t + 9
+        head = _norm_bytes(model, r, gpu) + e * h + 4 * model.padded_vocab_size(t) / t + 9
+        # each MTP module: its block, its token ids, two more norms, the concatenation the projection reads, its head
+        block = layer_activation_bytes(cfg, gpu, moe=model.is_moe_layer(model.num_layers))[0]
+        total += head + model.mtp_num_layers * (block + 8 + 2 * _norm_bytes(model, r, gpu) + 2 * e * h / r + head)
     return total
 
 

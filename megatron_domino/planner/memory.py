@@ -6,15 +6,21 @@ Static state, per parameter held by the rank (its TP shard of its pipeline chunk
 - gradients: a 4 B fp32 buffer (``accumulate_grads_in_fp32``, else the weight dtype) under ZeRO-0/1 (ZeRO-1
   reduce-scatters in place, so its shard lies inside the buffer); ZeRO-2 keeps the reduced shard alone,
   1/(dp*cp) (context-parallel ranks hold the same weights and their gradients reduce with the
-  data-parallel ones), plus the full buckets being written and reduced at its peak, at most
-  1 + ``optim.grad_buffer.IN_FLIGHT`` buckets (each of ``bucket_size_mb`` or one weight larger than that),
-  with any number of micro-batches;
+  data-parallel ones), plus the full buckets being written and reduced, with any number of micro-batches:
+  each gradient buffer (the dense weights', the experts') holds the bucket being written and at most
+  ``optim.grad_buffer.IN_FLIGHT`` being reduced, and the IN_FLIGHT launched last in one backward pass are
+  still held when the next begins. A bucket is ``bucket_size_mb`` or one weight larger than that: the largest
+  1 + IN_FLIGHT dense ones are the word embedding's (first stage), the output layer's (last stage) and a
+  block's widest weight's (an attention projection, the dense MLP's or the shared experts' fc1), the experts'
+  an expert's fc1;
 - optimizer: fp32 master (4 B, only for 16-bit weights) + Adam's two moments (8 B; SGD momentum 4 B),
   divided by dp*cp under ZeRO >= 1; with ``optimizer.offload`` the ``offload_fraction`` of it is in host
   memory, not on the device;
 - ZeRO-3 divides the weights by dp*cp as well (vectors, a fraction of a percent, counted as sharded) and
-  adds the gathered layers: 1 + ``prefetch_depth`` units (the largest block, or the word embedding) at once,
-  or every unit of the stage when ``reshard_after_forward`` is off (``optim.weight_units``).
+  adds the gathered units: the largest 1 + ``prefetch_depth`` consecutive ones in a chunk's order (the
+  embedding, each block, the head, and the embedding again where the tied head or MTP reads it:
+  ``optim.weight_hooks.unit_orders``), or every unit of the stage when ``reshard_after_forward`` is off
+  (``optim.weight_units``).
 Mixture of experts: a rank holds its ep share of the experts, whose ZeRO shards span dp*cp/ep ranks (``moe.py``).
 
 Activations per token: ``planner/activations.py``, tensor by tensor for this code.
@@ -124,6 +130,11 @@ def rank_parameter_split(cfg: Config) -> tuple[tuple[float, float], ...]:
                 dense += norm_parameters(model)
                 if not (model.tie_embeddings and stages == 1):
                     dense += embedding
+                for k in range(model.mtp_num_layers):  # MTP: a block, three norms, the projection (replicated)
+                    dense, experts = dense + layer(model.num_layers + k)[0], experts + layer(model.num_layers + k)[1]
+                    dense += 3 * norm_parameters(model) + 2 * model.hidden_size ** 2
+                if model.mtp_num_layers and stages > 1 and not model.tie_embeddings:
+                    dense += embedding  # MTP's copy of the word embedding
         totals.append((dense, experts))
     return tuple(totals)
 
@@ -134,22 +145,28 @@ def rank_parameters(cfg: Config) -> tuple[float, ...]:
     return tuple(dense + experts for dense, experts in rank_parameter_split(cfg))
 
 
-def static_bytes(cfg: Config, params: float, dp: int, experts: float = 0.0) -> tuple[float, float, float, float]:
+def static_bytes(cfg: Config, params: float, dp: int, experts: float = 0.0,
+                 rank: int = 0) -> tuple[float, float, float, float]:
     """(weights, gradients, optimizer state, offloaded optimizer state) bytes for ``params`` parameters on one
-    GPU, ``experts`` of them expert parameters: ZeRO shards dense state over dp*cp and expert state over the
-    expert-data-parallel group; the last is in host memory."""
+    GPU of pipeline rank ``rank``, ``experts`` of them expert parameters: ZeRO shards dense state over dp*cp and
+    expert state over the expert-data-parallel group; the last is in host memory."""
     opt, e = cfg.optimizer, weight_bytes(cfg)
     grad_e = 4 if opt.accumulate_grads_in_fp32 else e
     moments = 8 if opt.name == "adamw" else (4 if opt.momentum > 0 else 0)
-    grads = state = host = bucketed = weights = 0.0
+    grads = state = host = weights = 0.0
     offloaded = opt.offload_fraction if opt.offload else 0.0
-    for count, shards in ((params - experts, dp * cfg.parallel.cp), (experts, expert_replicas(cfg, dp))):
+    bucket = opt.bucket_size_mb * 2**20
+    dense_widest, expert_widest = bucket_weights(cfg)[rank]
+    buckets = (sum(max(bucket, w * grad_e) for w in dense_widest),  # a weight is never cut in two
+               (1 + IN_FLIGHT) * max(bucket, expert_widest * grad_e))
+    for count, shards, held in ((params - experts, dp * cfg.parallel.cp, buckets[0]),
+                                (experts, expert_replicas(cfg, dp), buckets[1])):
         zero = opt.zero_stage if shards > 1 else 0  # one replica: the shard is the whole (as the optimizer does)
         full_grads = count * grad_e
         if zero <= 1:  # ZeRO-1 reduce-scatters in place: its shard lies inside the full buffer
             grads += full_grads
         else:  # ZeRO-2: the shard, and full buckets only while they are written and reduced
-            grads, bucketed = grads + full_grads / shards, bucketed + full_grads
+            grads += full_grads / shards + min(full_grads, held)
         # per weight: a master unless the weights are fp32 (their own masters), and the moments; an offloaded
         # weight always gets a master of its own, in host memory
         owners = shards if zero >= 1 else 1  # ranks that share this state
@@ -157,27 +174,80 @@ def static_bytes(cfg: Config, params: float, dp: int, experts: float = 0.0) -> t
         host += offloaded * count * (4 + moments) / owners
         weights += count * e / (shards if zero == 3 else 1)
     if opt.zero_stage == 3 and dp * cfg.parallel.cp > 1:  # the gathered window (the whole stage without resharding)
-        weights += params * e if not opt.reshard_after_forward else (1 + opt.prefetch_depth) * largest_unit(cfg) * e
-    bucket = max(opt.bucket_size_mb * 2**20, largest_weight(cfg) * grad_e)  # a weight is never cut in two
-    return weights, grads + min(bucketed, (1 + IN_FLIGHT) * bucket), state, host
+        weights += params * e if not opt.reshard_after_forward else gathered_window(cfg, rank) * e
+    return weights, grads, state, host
 
 
-def largest_weight(cfg: Config) -> int:
-    """Elements of the largest single weight on a TP rank: a bucket holds at least one whole weight (the word
-    embedding, alone in its bucket, or the first MLP projection)."""
-    m, tp = cfg.model, cfg.parallel.tp
-    parts = 2 if m.activation == "swiglu" else 1
-    widest_ffn = max(m.ffn_size, m.moe_ffn_size if m.num_experts else 0)
-    return max(m.padded_vocab_size(tp) // tp * m.hidden_size, m.hidden_size * parts * widest_ffn // tp)
+def widest_weights(model, tp: int, whole: bool = False) -> tuple[float, float]:
+    """Elements of a block's widest dense weight and of its widest expert weight (0 without experts) on a TP
+    rank: an attention projection (MLA's down-projection is whole on every rank), the dense MLP's or the shared
+    experts' fc1 (SwiGLU's gate and up in one), an expert's fc1 (whole experts: not split by tp)."""
+    h, a, parts = model.hidden_size, model.num_attention_heads, 2 if model.activation == "swiglu" else 1
+    if model.is_mla:
+        q_rank, nope = model.q_lora_rank, model.qk_nope_head_dim
+        attention = [h * ((q_rank or 0) + model.kv_lora_rank + model.qk_rope_head_dim),
+                     (q_rank or h) * a * model.key_head_dim / tp,
+                     model.kv_lora_rank * a * (nope + model.v_head_dim) / tp, a * model.v_head_dim * h / tp]
+    else:
+        attention = [h * (a + 2 * model.query_groups) * model.head_dim / tp, a * model.head_dim * h / tp]
+    moe = [model.is_moe_layer(i) for i in range(model.num_layers)]
+    widths = [model.ffn_size] * (not all(moe)) + [model.moe_shared_experts * model.moe_ffn_size] * any(moe)
+    expert = h * parts * model.moe_ffn_size / (1 if whole else tp) if any(moe) else 0.0
+    return max(attention + [h * parts * f / tp for f in widths]), expert
 
 
 @per_model_layout
-def largest_unit(cfg: Config) -> float:
-    """Elements of the largest ZeRO-3 gather unit on a rank: one block (its dense and expert weights) or the
-    word embedding."""
-    m, par = cfg.model, cfg.parallel
-    blocks = (sum(layer_parameters(m, i, par.tp, par.ep, whole_experts(par))) for i in range(m.num_layers))
-    return max(max(blocks, default=0.0), m.padded_vocab_size(par.tp) // par.tp * m.hidden_size)
+def bucket_weights(cfg: Config) -> tuple[tuple[tuple[float, ...], float], ...]:
+    """Per pipeline rank: (elements of the weights of its 1 + IN_FLIGHT largest dense gradient buckets, of its
+    widest expert weight). The largest are the word embedding's (first stage) and the output layer's (last stage;
+    one weight when tied on one stage), the others a block's widest weight; the embedding's, reduced last, is
+    still held when the next backward pass writes the output layer's, its first."""
+    model, par = cfg.model, cfg.parallel
+    stages = par.pp * par.virtual_pp
+    embedding = model.padded_vocab_size(par.tp) // par.tp * model.hidden_size
+    block, expert = widest_weights(model, par.tp, whole_experts(par))
+    result = []
+    for rank in range(par.pp):
+        held = {virtual_stage(rank, chunk, par.pp) for chunk in range(par.virtual_pp)}
+        alone = [embedding] * ((0 in held) + (stages - 1 in held and not (model.tie_embeddings and stages == 1)))
+        result.append((tuple(sorted(alone + [block] * (1 + IN_FLIGHT), reverse=True)[:1 + IN_FLIGHT]), expert))
+    return tuple(result)
+
+
+@per_model_layout
+def gather_units(cfg: Config) -> tuple[tuple[tuple[float, ...], ...], ...]:
+    """Per pipeline rank, per model chunk: the elements of its ZeRO-3 gather units in forward order
+    (``optim.weight_hooks.unit_orders``): the embedding, each block (dense and expert weights), the head (the
+    output layer and whatever else the last stage holds beside its blocks: MTP's modules), and the embedding again
+    where the tied head or MTP reads it. Backward's order is the reverse, without the input embedding."""
+    model, par = cfg.model, cfg.parallel
+    partition, stages = stage_layers(cfg), par.pp * par.virtual_pp
+    first = model.padded_vocab_size(par.tp) // par.tp * model.hidden_size + (
+        model.max_positions * model.hidden_size if model.position_embedding == "learned" else 0)
+    layer = cache(lambda i: sum(layer_parameters(model, i, par.tp, par.ep, whole_experts(par))))
+    result = []
+    for rank, held in enumerate(rank_parameters(cfg)):
+        chunks = [virtual_stage(rank, chunk, par.pp) for chunk in range(par.virtual_pp)]
+        blocks = [tuple(layer(i) for i in partition[stage]) for stage in chunks]
+        head = held - sum(map(sum, blocks)) - first * (0 in chunks) - norm_parameters(model)  # the rest: the head's
+        orders = []
+        for stage, units in zip(chunks, blocks):
+            order = ((first,) if stage == 0 else ()) + units
+            if stage == stages - 1:
+                order += (head,) if head > 0 else ()
+                if stage == 0 and (model.tie_embeddings or model.mtp_num_layers):
+                    order += (first,)
+            orders.append(order)
+        result.append(tuple(orders))
+    return tuple(result)
+
+
+def gathered_window(cfg: Config, rank: int) -> float:
+    """Elements ZeRO-3 holds gathered at most on pipeline rank ``rank``: the touched unit and the
+    ``prefetch_depth`` after it, in either pass (``optim.weight_units``)."""
+    depth = 1 + cfg.optimizer.prefetch_depth
+    return max((sum(order[i:i + depth]) for order in gather_units(cfg)[rank] for i in range(len(order))),
+               default=0.0)
 
 
 def in_flight(cfg: Config, dp: int) -> list[int]:
@@ -209,7 +279,7 @@ def estimate_stages(cfg: Config, dp: int, gpu: GPU) -> list[StageMemory]:
         cfg, gpu, len(layers), first, last, sum(map(cfg.model.is_moe_layer, layers))))
     result = []
     for rank, (dense, experts) in enumerate(rank_parameter_split(cfg)):
-        weights, grads, optimizer, host = static_bytes(cfg, dense + experts, dp, experts)
+        weights, grads, optimizer, host = static_bytes(cfg, dense + experts, dp, experts, rank)
         chunks = [virtual_stage(rank, c, par.pp) for c in range(par.virtual_pp)]
         per_unit = max(chunk_bytes(tuple(partition[s]), s == 0, s == stages - 1) for s in chunks)
         transient = max(attention, loss_transient_bytes(cfg) if stages - 1 in chunks else 0.0)

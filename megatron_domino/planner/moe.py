@@ -29,7 +29,9 @@ modelled), beside the norm and dropout mask that the block's dense MLP phase has
                 int64 indices 16 (its assignment and token), + 16 under ep > 1 (the regrouping order there
                 and back), + 8 per grouped-GEMM linear with biases (each row's expert)
 
-The gathered [T, h] tokens, the rows before and after the all-to-alls and the [T, h] sum are not kept.
+The gathered [T, h] tokens, the dispatch's rows before its all-to-all and as they arrive (fc1 reads their
+regrouped copy), the fc2 outputs before the combine's all-to-all and the [T, h] sum are not kept (what arrives
+from the combine is the combined fc2 output above).
 Per micro-batch, not per token: the router weight's fp32 copy (4Eh, 16-bit weights); grouped GEMMs keep the
 expert weights themselves, not their stack (``models/expert_linear.py``). Full recompute keeps, of the routed
 part, only what the projection reads outside the phase: per row e*f/t (fc2's input), e*h twice and e
@@ -58,13 +60,19 @@ def expert_sharers(par) -> int:
     return par.ep * (par.tp if whole_experts(par) else 1)
 
 
+def one_layer_model(model: ModelConfig, moe: bool) -> ModelConfig:
+    """A one-block model whose block is an MoE layer or a dense one, whatever ``moe_first_k_dense`` says (and
+    without multi-token prediction)."""
+    return replace(model, num_layers=1, moe_layer_freq=[int(moe)], moe_first_k_dense=0, mtp_num_layers=0)
+
+
 def layer_parameters(model: ModelConfig, layer: int, tp: int, ep: int = 1,
                      whole: bool = False) -> tuple[float, float]:
     """(dense, expert) parameters of block ``layer`` on one rank. Projections split by tp; norms, row-parallel
     biases (each split expert's fc2 bias too) and the router are replicated; experts are spread over ep, or
     ``whole`` over tp * ep."""
     moe = model.is_moe_layer(layer)
-    one = replace(model, num_layers=1, moe_layer_freq=[int(moe)])
+    one = one_layer_model(model, moe)
     full = count_parameters(one) - count_parameters(replace(one, num_layers=0))
     experts = float(count_parameters(one) - count_parameters(replace(one, moe_topk=0), active=True)) if moe else 0.0
     h = model.hidden_size

@@ -72,7 +72,7 @@ from ..parallel.topology import Topology
 from ..pipeline.program import virtual_stage
 from .hardware import GPU
 from .memory import per_model_layout, rank_parameter_split, stage_layers, weight_bytes
-from .moe import all_to_all_seconds, expert_replicas, expert_sharers
+from .moe import all_to_all_seconds, expert_replicas, expert_sharers, one_layer_model
 
 
 @dataclass(frozen=True)
@@ -135,15 +135,19 @@ def _rank_flops_per_token(cfg: Config) -> tuple[float, ...]:
     """Training FLOPs per token that each pipeline rank computes, summed over its TP ranks (recompute included);
     an MoE layer counts its active experts (``counters.flops_per_token``)."""
     model, par = cfg.model, cfg.parallel
-    s = model.seq_length
-    head = flops_per_token(replace(model, num_layers=0), s)
-    attention = (flops_per_token(model, s) - flops_per_token(model, 0)) / model.num_layers
+    s, h = model.seq_length, model.hidden_size
+    main = replace(model, mtp_num_layers=0)
+    head = flops_per_token(replace(main, num_layers=0), s)
+    attention = (flops_per_token(main, s) - flops_per_token(main, 0)) / model.num_layers
 
     def layer(moe: bool) -> float:
-        flops = flops_per_token(replace(model, num_layers=1, moe_layer_freq=[int(moe)]), s) - head
+        flops = flops_per_token(one_layer_model(model, moe), s) - head
         return flops + {"full": flops / 3, "selective": attention / 3}.get(model.recompute, 0.0)
 
     per_layer = {moe: layer(moe) for moe in (False, True)}
+    # multi-token prediction on the last stage: per module a block, its projection and the output head again
+    head += model.mtp_num_layers * (per_layer[model.is_moe_layer(model.num_layers)]
+                                    + 6 * (2 * h * h + model.vocab_size * h))
     last = par.pp * par.virtual_pp - 1
     totals = []
     for rank in range(par.pp):

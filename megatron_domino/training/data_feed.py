@@ -2,18 +2,20 @@
 from __future__ import annotations
 
 from ..data import MicroBatchLoader, build_train_valid_test_datasets
+from ..models.mtp import with_mtp_targets
 from ..models.ring_attention import split_for_context_parallel
 from ..parallel.store_barrier import Phase
 
 
 class DataFeed:
     """Train and validation loaders for this rank (none on a middle stage, whose activations arrive over p2p),
-    with context parallelism's split applied; ``consumed`` counts the training samples read so far (a
-    checkpoint keeps it)."""
+    with multi-token prediction's shifted targets made and context parallelism's split applied; ``consumed``
+    counts the training samples read so far (a checkpoint keeps it)."""
 
     def __init__(self, cfg, state, engine, watchdog):
         train, data = cfg.train, cfg.data
         self.state, self.num_microbatches = state, engine.num_microbatches
+        self.mtp_depth = engine.mtp_depth if engine.holds_loss else 0  # MTP's shifts, on whole samples
         self.global_batch_size, self.consumed = train.global_batch_size, 0
         eval_samples = train.eval_iters * train.global_batch_size
         evaluations = (train.steps // train.eval_interval + 1) if train.eval_interval else 1
@@ -52,6 +54,8 @@ class DataFeed:
         if loader is None:  # a middle stage: activations come over p2p
             return [{} for _ in range(self.num_microbatches)]
         microbatches = loader.next_step()  # in host memory: the engine moves them to the device one at a time
+        if self.mtp_depth:
+            microbatches = [with_mtp_targets(b, self.mtp_depth) for b in microbatches]
         if self.state.cp_size > 1:  # this rank's two chunks of each sequence
             return [split_for_context_parallel(b, self.state.cp_size, self.state.cp_rank) for b in microbatches]
         return microbatches

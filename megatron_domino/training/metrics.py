@@ -137,7 +137,10 @@ def _start_wandb(log_dir: str, project: str, mode: str, run_config: dict):
 
 
 def format_train_line(r: dict, total_steps: int) -> str:
-    parts = [f"step {r['step']}/{total_steps}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.3e}"]
+    parts = [f"step {r['step']}/{total_steps}", f"loss {r['loss']:.4f}"]
+    if "mtp_loss" in r:
+        parts.append(f"mtp loss {r['mtp_loss']:.4f}")
+    parts.append(f"lr {r['lr']:.3e}")
     if r.get("grad_norm") is not None:
         parts.append(f"grad norm {r['grad_norm']:.3f}")
     parts.append(f"skipped {r['skipped_steps']}")

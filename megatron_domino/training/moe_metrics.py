@@ -24,7 +24,8 @@ def moe_metrics(chunks, model_cfg, device) -> dict:
     """A collective: every rank calls it at the same logging steps."""
     experts = model_cfg.num_experts
     # per layer: its stats (``MoEStats``), then the expert bias summed over the ranks holding it, and their count
-    table = torch.zeros(model_cfg.num_layers, 3 * experts + 6, dtype=torch.float64, device=device)
+    layers = model_cfg.num_layers + model_cfg.mtp_num_layers  # MTP's blocks after the main model's
+    table = torch.zeros(layers, 3 * experts + 6, dtype=torch.float64, device=device)
     biased = model_cfg.moe_router_bias_update_rate > 0
     for chunk in chunks:
         for layer_id, layer in chunk.moe_layers():
@@ -34,7 +35,7 @@ def moe_metrics(chunks, model_cfg, device) -> dict:
                 table[layer_id, -1] = 1
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(table)
-    table = to_host(table)[[i for i in range(model_cfg.num_layers) if model_cfg.is_moe_layer(i)]]
+    table = to_host(table)[[i for i in range(layers) if model_cfg.is_moe_layer(i)]]
     counts = table[:, :experts]
     dropped, assigned, aux, z_loss, groups = table[:, experts:experts + 5].unbind(dim=1)
     share = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)

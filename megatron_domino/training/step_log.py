@@ -50,6 +50,8 @@ class StepLog:
                   "consumed_samples": trainer.data.consumed}
         if cfg.train.fp16:
             record["loss_scale"] = trainer.optimizer.loss_scale
+        if result.get("mtp_loss") is not None:  # multi-token prediction's loss per depth, logged on its own
+            record["mtp_loss"] = result["mtp_loss"].item()
         if cfg.model.num_experts:
             record.update(moe_metrics(trainer.chunks, cfg.model, trainer.device))
         if cfg.log.timers:

@@ -162,7 +162,7 @@ class Trainer:
         self.step += 1
         self.data.count_step()
         self.phase = "logging"
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm,
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "mtp_loss": self.engine.mtp_loss,
                 "bad_step": self.guard.problem if self.guard is not None else None}
 
     def evaluate(self) -> dict:
