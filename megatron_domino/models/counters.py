@@ -83,6 +83,11 @@ def norm_parameters(model: ModelConfig) -> int:
     return (1 if model.norm == "rmsnorm" else 2) * model.hidden_size
 
 
+def mtp_module_parameters(model: ModelConfig) -> int:
+    """One MTP module's own parameters beside its block: three norms and the [embedding; hidden] projection."""
+    return 3 * norm_parameters(model) + 2 * model.hidden_size ** 2
+
+
 def count_parameters(model: ModelConfig, tp: int = 1, padded_vocab: bool = False, active: bool = False) -> int:
     """Total parameters of the model (``active``: those one token runs through, for MoE), MTP's modules included.
     ``padded_vocab`` counts the TP-padded vocabulary (``tp`` sets the padding)."""
@@ -90,7 +95,7 @@ def count_parameters(model: ModelConfig, tp: int = 1, padded_vocab: bool = False
     vocab = _vocab(model, tp, padded_vocab)
     blocks = range(model.num_layers + model.mtp_num_layers)
     total = vocab * h + norm_parameters(model) + sum(_block_parameters(model, i, active) for i in blocks)
-    total += model.mtp_num_layers * (3 * norm_parameters(model) + 2 * h * h)
+    total += model.mtp_num_layers * mtp_module_parameters(model)
     if model.position_embedding == "learned":
         total += model.max_positions * h
     if not model.tie_embeddings:

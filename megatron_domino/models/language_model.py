@@ -54,22 +54,21 @@ class LanguageModel(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg, self.ctx, layer_number=i) for i in self.layer_ids)
         if has_head:
             self.final_norm = Norm(cfg.norm, cfg.hidden_size, cfg.norm_eps, self.ctx)
-            spec = ShardSpec(0, (self.padded_vocab,))
             if not (cfg.tie_embeddings and has_embedding):
-                self.output_layer = nn.Module()
                 # Tied: a copy of the first stage's embedding, kept equal by the pipeline.
-                declare(self.output_layer, "weight", make_param((spec.local_size(self.ctx.size), cfg.hidden_size),
-                                                                self.ctx),
-                        ParamInfo(spec, "normal", cfg.init_std, vocab_rows=cfg.vocab_size,
-                                  tied_to=WORD_EMBEDDINGS if cfg.tie_embeddings else None))
+                self.output_layer = self._vocab_weight(WORD_EMBEDDINGS if cfg.tie_embeddings else None)
             if cfg.mtp_num_layers:
                 self.mtp = MultiTokenPrediction(cfg, self.ctx)
                 if not has_embedding and not cfg.tie_embeddings:  # MTP reads the embedding: a tied copy of it
-                    self.mtp_embedding = nn.Module()
-                    declare(self.mtp_embedding, "weight", make_param((spec.local_size(self.ctx.size), cfg.hidden_size),
-                                                                     self.ctx),
-                            ParamInfo(spec, "normal", cfg.init_std, vocab_rows=cfg.vocab_size, tied_to=WORD_EMBEDDINGS))
+                    self.mtp_embedding = self._vocab_weight(WORD_EMBEDDINGS)
         self._table = sharding_table(self)
+
+    def _vocab_weight(self, tied_to: str | None) -> nn.Module:
+        """A module holding one vocabulary-parallel [padded vocab / tp, h] ``weight`` (a copy of ``tied_to``)."""
+        spec, holder = ShardSpec(0, (self.padded_vocab,)), nn.Module()
+        declare(holder, "weight", make_param((spec.local_size(self.ctx.size), self.cfg.hidden_size), self.ctx),
+                ParamInfo(spec, "normal", self.cfg.init_std, vocab_rows=self.cfg.vocab_size, tied_to=tied_to))
+        return holder
 
     # ----- names independent of the layout -------------------------------------------------------
     def global_name(self, local_name: str) -> str:

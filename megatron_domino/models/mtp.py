@@ -29,9 +29,6 @@ from .block import TransformerBlock
 from .norms import Norm
 from .tokens import TokenContext
 
-MTP_KEYS = ("mtp_tokens", "mtp_labels", "mtp_mask")  # [b, s, D] each, made by ``with_mtp_targets``
-
-
 def with_mtp_targets(batch: dict, depth: int) -> dict:
     """``batch`` (whole samples, host memory) with each depth's input tokens, labels and loss mask, [b, s, D]."""
     tokens, labels = batch["tokens"], batch["labels"]

@@ -81,7 +81,8 @@ class PipelineEngine:
         if total_tokens is not None:
             self._loss_factor = loss_scale / total_tokens
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._mtp_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.mtp_depth:
+            self._mtp_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for loss in self.executor.run(program, DeviceBatches(microbatches, self.device)):
             loss_sum += loss.double()
         if self.mtp_depth:  # each depth's mean over the main loss's tokens, averaged over the depths

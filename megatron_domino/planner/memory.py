@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from functools import cache, wraps
 
 from ..config.schema import Config
-from ..models.counters import norm_parameters
+from ..models.counters import mtp_module_parameters, norm_parameters
 from ..optim.grad_buffer import IN_FLIGHT
 from ..pipeline.program import virtual_stage
 from ..pipeline.schedules import interleaved_warmup, schedule_kind
@@ -132,7 +132,7 @@ def rank_parameter_split(cfg: Config) -> tuple[tuple[float, float], ...]:
                     dense += embedding
                 for k in range(model.mtp_num_layers):  # MTP: a block, three norms, the projection (replicated)
                     dense, experts = dense + layer(model.num_layers + k)[0], experts + layer(model.num_layers + k)[1]
-                    dense += 3 * norm_parameters(model) + 2 * model.hidden_size ** 2
+                    dense += mtp_module_parameters(model)
                 if model.mtp_num_layers and stages > 1 and not model.tie_embeddings:
                     dense += embedding  # MTP's copy of the word embedding
         totals.append((dense, experts))
