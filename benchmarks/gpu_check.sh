@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU readiness of megatron_domino on one GPU, in under 12 minutes on an H200, with or without a package registry:
+# GPU readiness of megatron_domino on one GPU, in under 15 minutes on an H200, with or without a package registry:
 #   0. registry: probe the configured pip index (PIP_INDEX_URL, pip's global.index-url, else PyPI) for at most
 #      ~5 s; offline (no answer, PIP_NO_INDEX or GPU_CHECK_OFFLINE=1) nothing is fetched: what is installed is
 #      used, plus the wheels in MCORE_WHEELS if given. The repository runs from its root (PYTHONPATH=.), so it
@@ -13,12 +13,15 @@
 #   3. train: GPT-1.3B, bf16, TP1, 30 steps with model.attention_backend=flash (a non-flash attention call
 #      raises) and log.sync_debug=true (a host sync in a steady-state step raises). If the sync check fails,
 #      train-unchecked repeats the run without it, so the table still gets our numbers (the check stays FAILED);
+#      then train-compile, train-fp8-tensorwise, train-fp8-blockwise: the same run, 15 steps, with model.compile,
+#      model.fp8=tensorwise and model.fp8=blockwise (no megatron-core rows: its FP8 needs Transformer Engine);
 #   4. megatron-core: benchmarks/megatron_core_gpt.py, megatron-core's GPTModel (local layer spec) of the same
 #      shape, batch, data, FLOP formula and timing;
 #   5. domino-parity: Domino on CUDA gives sync TP's loss and gradients: 2 ranks (gloo on one GPU).
-# The table, printed last under the PASSED / FAILED line, compares ours with megatron-core: tokens/s, TFLOP/s,
-# MFU (against the H200's dense bf16 peak, 989 TFLOP/s), peak GiB and the loss at the last step; step times are
-# medians over the log.interval-step windows that end after the warm-up steps, each closed by a CUDA synchronize.
+# The table, printed last under the PASSED / FAILED line, compares ours (and its variants) with megatron-core:
+# tokens/s, TFLOP/s, MFU (against the H200's dense bf16 peak, 989 TFLOP/s), peak GiB and the loss at the last
+# step; step times are medians over the log.interval-step windows that end after the warm-up steps, each
+# closed by a CUDA synchronize.
 #
 #   bash benchmarks/gpu_check.sh            # on the GPU machine
 #   DRY=1 bash benchmarks/gpu_check.sh      # or --dry: the same steps on the CPU, tiny model, few steps
@@ -30,8 +33,9 @@
 # SKIP="domino-parity"), GPU_CHECK_OFFLINE=1 (no registry probe, no pip from an index), MCORE_WHEELS (a dir),
 # GPU_CHECK_OUT (where logs go; on the device machine GPU_CHECK_OUT=$OUT/gpu_check brings them back).
 # Time limits (s, each killed 5 s after): install 60, install-megatron-core 40, unit-tests 150, train 120,
-# train-unchecked 75, megatron-core 130, domino-parity 55: at most 630 s of steps, ~11.5 min with the probe,
-# start-ups and the kill grace; offline without MCORE_WHEELS the install steps do not run (~9.5 min at worst).
+# train-unchecked 75, 3 x 150 for the variants, megatron-core 130, domino-parity 55: at most 1080 s of steps,
+# ~14 min with the probe and start-ups at worst; measured on an H200 (2026-12-04): train 46 s, train-compile 51 s,
+# train-fp8-tensorwise 64 s (30 steps each; blockwise ran 7.4 s a step, hence the variants' 15 steps).
 # Micro batch 4: megatron-core's local attention keeps s x s tensors for backward (the fp32 softmax output,
 # the dropout mask, the bf16 probabilities: ~1.75 GiB per layer at micro batch 4), which at 8 would fill the
 # H200 with 24 layers.
@@ -42,7 +46,8 @@ cd "$(dirname "$0")/.."
 DRY=${DRY:-0}
 OUT=${GPU_CHECK_OUT:-benchmarks/results/gpu_check}
 mkdir -p "$OUT"  # only this script's own files are removed (GPU_CHECK_OUT may name any folder)
-rm -rf "${OUT:?}"/{train,train-unchecked,megatron-core} "$OUT"/*.log "$OUT"/{constraints.txt,found.sh,table.txt}
+rm -rf "${OUT:?}"/{train,train-unchecked,train-compile,train-fp8-tensorwise,train-fp8-blockwise,megatron-core} \
+       "$OUT"/*.log "$OUT"/{constraints.txt,found.sh,table.txt}
 PY=${PYTHON:-$(command -v python3 >/dev/null 2>&1 && echo python3 || echo python)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # megatron_domino from this checkout, installed or not
 CUDA_TESTS=${CUDA_TESTS:-tests/test_cuda.py}
@@ -229,6 +234,19 @@ elif grep -q "synchronizing CUDA operation" "$OUT/train.log"; then
     model.attention_backend=flash || true
 fi
 
+# ---- 3b. the same run compiled, and in FP8 (megatron-core has FP8 only through Transformer Engine: no peer row);
+# half the steps (blockwise FP8 ran at 7.4 s a step on an H200: 30 steps outran the limit)
+FP8_BLOCK=$([ "$DRY" = 1 ] && echo 32 || echo 128)  # the tiny model's hidden size is 64
+VARIANT_STEPS=$(( STEPS / 2 > WARMUP + INTERVAL ? STEPS / 2 : STEPS ))
+VARIANTS=(compile:model.compile=true fp8-tensorwise:model.fp8=tensorwise
+          fp8-blockwise:model.fp8=blockwise,model.fp8_block_size=$FP8_BLOCK)
+for variant in "${VARIANTS[@]}"; do
+  IFS=, read -r -a settings <<< "${variant#*:}"
+  step "train-${variant%%:*}" 150 "$PY" pretrain_gpt.py "${TRAIN[@]}" "${COMMON[@]}" \
+    log.dir="$OUT/train-${variant%%:*}" model.attention_backend=flash train.steps="$VARIANT_STEPS" "${settings[@]}" \
+    || true
+done
+
 # ---- 4. megatron-core's GPT, same shape, batch, data and timing
 step megatron-core 130 "$PY" benchmarks/megatron_core_gpt.py "${TRAIN[@]}" "${COMMON[@]}" \
   log.dir="$OUT/megatron-core" --warmup "$WARMUP" || true
@@ -249,7 +267,7 @@ case "$SYNC_CHECK$DRY" in
   *)       echo "host syncs / flash: unknown, the GPT-1.3B run failed otherwise (see $OUT/train.log)" ;;
 esac
 [ -f "$OUT/domino-parity.log" ] && sed -n '/^Domino parity/,$p' "$OUT/domino-parity.log"
-"$PY" - "$OURS" "$OUT/megatron-core.log" "$WARMUP" "$OUT/table.txt" <<'EOF' || status=1
+"$PY" - "$OURS" "$OUT/megatron-core.log" "$WARMUP" "$OUT/table.txt" "$OUT" <<'EOF' || status=1
 """The table (into a file, printed last): our run's metrics.jsonl and megatron-core's JSON line, reduced alike."""
 import json, os, statistics, sys
 sys.path.insert(0, "benchmarks")
@@ -257,18 +275,18 @@ from common import format_table
 from megatron_domino.config import load_config
 from megatron_domino.models.counters import flops_per_token
 
-ours_dir, mcore_log, warmup, table = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+ours_dir, mcore_log, warmup, table, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 
 
-def ours():
-    path = os.path.join(ours_dir, "metrics.jsonl")
+def ours(run_dir):
+    path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return None
     records = [r for r in map(json.loads, open(path)) if "split" not in r]
     steady = [r["step_time_s"] for r in records if r["step"] > warmup]
     if not steady:
         return None
-    cfg = load_config(os.path.join(ours_dir, "config.yaml"))
+    cfg = load_config(os.path.join(run_dir, "config.yaml"))
     step_time = statistics.median(steady)
     tokens_per_s = cfg.train.global_batch_size * cfg.model.seq_length / step_time
     tflops = flops_per_token(cfg.model, cfg.model.seq_length) * tokens_per_s / 1e12
@@ -283,9 +301,11 @@ def megatron_core():
     return json.loads(lines[-1]) if lines else None
 
 
-runs = [("megatron_domino", ours()), ("megatron-core", megatron_core())]
-if runs[1][1]:
-    runs[1] = (runs[1][1]["framework"] + " (local spec)", runs[1][1])
+variants = [(f"megatron_domino, {name}", ours(os.path.join(out, f"train-{name}")))
+            for name in ("compile", "fp8-tensorwise", "fp8-blockwise")]
+mcore = megatron_core()
+mcore_name = mcore["framework"] + " (local spec)" if mcore else "megatron-core"
+runs = [("megatron_domino", ours(ours_dir)), (mcore_name, mcore), *variants]
 fmt = {"tokens_per_s": "{:,.0f}", "tflops": "{:.1f}", "mfu": "{:.1%}", "peak_gib": "{:.1f}", "loss": "{:.4f}",
        "step_time_s": "{:.3f}"}
 cell = lambda r, k: fmt[k].format(r[k]) if r and r.get(k) is not None else "n/a"
@@ -294,8 +314,8 @@ rows = [[name, *(cell(r, k) for k in fmt)] for name, r in runs]
 with open(table, "w") as f:
     f.write(format_table(["run", "tokens/s", "TFLOP/s", "MFU", "peak GiB", f"loss @ {steps}", "step s"], rows) + "\n")
 print(f"table: medians over the timing windows ending after step {warmup}; MFU against the configured peak")
-if runs[1][1] and runs[1][1].get("cpu_stand_ins"):
-    print("megatron-core on the CPU ran with stand-ins for: " + "; ".join(runs[1][1]["cpu_stand_ins"]))
+if mcore and mcore.get("cpu_stand_ins"):
+    print("megatron-core on the CPU ran with stand-ins for: " + "; ".join(mcore["cpu_stand_ins"]))
 if not runs[0][1]:
     sys.exit("our training run left no metrics")
 EOF

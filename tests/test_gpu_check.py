@@ -25,7 +25,7 @@ def test_dry_run_without_a_registry_installs_nothing_and_ends_with_the_table(tmp
                GPU_CHECK_OUT=str(tmp_path / "out"), SKIP="domino-parity",
                CUDA_TESTS="tests/test_cuda.py::test_sync_debug_mode_raises_on_a_host_sync")
     result = subprocess.run(["bash", os.path.join(REPO, "benchmarks", "gpu_check.sh")], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=150)
+                            capture_output=True, text=True, timeout=300)
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
 
@@ -40,8 +40,10 @@ def test_dry_run_without_a_registry_installs_nothing_and_ends_with_the_table(tmp
     assert "== unit-tests (limit" in out and "== train (limit" in out and "== domino-parity: skipped" in out
 
     lines = out.rstrip("\n").splitlines()
-    verdict, header, rule, ours, mcore = lines[-5:]
-    assert verdict.startswith("gpu_check: PASSED in ") and "domino-parity (SKIP)" in verdict, lines[-8:]
-    assert header.split()[:3] == ["run", "tokens/s", "TFLOP/s"] and set(rule) <= {"-", " "}, lines[-8:]
+    verdict, header, rule, ours, mcore, *variants = lines[-8:]
+    assert verdict.startswith("gpu_check: PASSED in ") and "domino-parity (SKIP)" in verdict, lines[-10:]
+    assert header.split()[:3] == ["run", "tokens/s", "TFLOP/s"] and set(rule) <= {"-", " "}, lines[-10:]
     assert ours.startswith("megatron_domino ") and "n/a" not in ours, ours
     assert mcore.startswith("megatron-core"), mcore
+    for variant, name in zip(variants, ("compile", "fp8-tensorwise", "fp8-blockwise"), strict=True):
+        assert variant.startswith(f"megatron_domino, {name} ") and "n/a" not in variant, variant

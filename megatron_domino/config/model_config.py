@@ -13,6 +13,9 @@ MOE_DROP_POLICIES = ("position", "probs", "random")  # which assignments a full 
 ROPE_SCALINGS = ("llama3", "yarn")  # how rope_scaling_factor stretches the frequencies
 RECOMPUTE = ("none", "selective", "full")  # least to most recomputation
 ATTENTION_BACKENDS = ("auto", "flash", "efficient", "math")
+FP8_RECIPES = ("tensorwise", "delayed", "blockwise")  # how FP8 GEMMs scale their operands (fp8/scaling.py)
+FP8_FORMATS = ("e4m3", "e5m2")
+FP8_AMAX_COMPUTE = ("max", "most_recent")  # delayed: the history's maximum, or its newest entry
 # model settings that choose a layer's function without changing its tensors' shapes (a checkpoint must agree
 # on them too; the shapes themselves are compared tensor by tensor: checkpoint_format.check_compatible)
 ARCHITECTURE_KEYS = ("norm", "activation", "position_embedding", "moe_router", "rope_scaling_type")
@@ -84,6 +87,17 @@ class ModelConfig:
     # Multi-token prediction (DeepSeek-V3, models/mtp.py): modules on the last stage predicting further tokens
     mtp_num_layers: int = 0  # D: module k predicts token t + k + 1 from position t; 0: off
     mtp_loss_scale: float = 0.1  # the loss adds mtp_loss_scale / D times the modules' losses (DeepSeek-V3: 0.3, 0.1)
+    # FP8 GEMMs in attention's and the MLP's (experts') linears (fp8/): None keeps the weights' dtype
+    fp8: Optional[str] = None  # FP8_RECIPES
+    fp8_grad_format: str = "e5m2"  # FP8_FORMATS: gradients' format (the forward is e4m3)
+    fp8_amax_history_len: int = 16  # delayed: steps of amax history a scale is computed from
+    fp8_amax_compute: str = "max"  # FP8_AMAX_COMPUTE
+    fp8_margin: int = 0  # scales leave 2^margin of headroom below the format's largest value
+    fp8_power_of_two_scales: bool = True  # scales rounded up to powers of two (exact, layout-proof: fp8/quantize.py)
+    fp8_block_size: int = 128  # blockwise: 1 x B activation/gradient tiles, B x B weight blocks (DeepSeek-V3: 128)
+    # torch.compile of the compute between communication points (models/compiled.py)
+    compile: bool = False
+    compile_cache_dir: Optional[str] = None  # inductor's cache (TORCHINDUCTOR_CACHE_DIR); None: torch's default
 
     @property
     def ffn_size(self) -> int:

@@ -13,6 +13,8 @@ from .checks import Checks
 from .data_path import parse_data_path
 from .errors import ConfigError
 from .validate_attention import check_attention
+from .validate_compile import check_compile
+from .validate_fp8 import check_fp8
 from .validate_mtp import check_mtp
 from .validate_context_parallel import check_context_parallel
 from .schema import (
@@ -76,6 +78,8 @@ def check_model(c: Checks, cfg: Config, device_type: str | None) -> None:
     c.in_range("model.hidden_dropout", m.hidden_dropout, 0.0, 1.0)
     check_attention(c, m)
     check_mtp(c, m)
+    check_fp8(c, cfg)
+    check_compile(c, m)
     if m.position_embedding == "learned" and m.seq_length > m.max_positions:
         c.fail("model.seq_length", m.seq_length,
                f"exceeds model.max_position_embeddings = {m.max_positions} (learned position table)",

@@ -110,12 +110,18 @@ class Attention(AttentionPhase):
         q = qkv[:, :, :, :self.queries_per_group].reshape(b, s, -1, self.head_dim).transpose(1, 2)
         k = qkv[:, :, :, self.queries_per_group].transpose(1, 2)
         v = qkv[:, :, :, self.queries_per_group + 1].transpose(1, 2)
-        if self.q_norm is not None:  # Qwen3's QK-norm, before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        q, k = self.rotate_heads(q, k, rotary)
         if self.queries_per_group > 1 and self.backend == "efficient":
             k = k.repeat_interleave(self.queries_per_group, dim=1)
             v = v.repeat_interleave(self.queries_per_group, dim=1)
         out = self.run_core(self._core, q, k, v, doc_offsets)
         return out.transpose(1, 2).reshape(b, s, -1)
+
+    def rotate_heads(self, q: torch.Tensor, k: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's QK-norm, then RoPE: the elementwise work between the QKV projection and the core, one method
+        so that ``models.compiled`` can fuse it."""
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        return q, k

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..fp8.linear import linear as product
 from ..parallel.device import to_device
 
 # torch's grouped GEMM: public since 2.9, private before
@@ -37,10 +38,11 @@ class _GroupedLinear(torch.autograd.Function):
 
 def experts_linear(rows: torch.Tensor, sizes: list[int], linears: list, grouped: bool,
                    bias_divisor: int = 1) -> torch.Tensor:
-    """Expert e's ``linears[e]`` on its ``sizes[e]`` rows, for every local expert: [n, out]."""
-    if not grouped or rows.shape[0] == 0:  # grouped_mm refuses an empty operand
-        return torch.cat([F.linear(part, linear.weight, None if linear.bias is None else linear.bias / bias_divisor)
-                          for part, linear in zip(rows.split(sizes), linears)])
+    """Expert e's ``linears[e]`` on its ``sizes[e]`` rows, for every local expert: [n, out]. In FP8
+    (``linear.fp8``) each expert runs its own scaled GEMM: the loop, whatever ``grouped`` says."""
+    if not grouped or rows.shape[0] == 0 or linears[0].fp8 is not None:  # grouped_mm refuses an empty operand
+        return torch.cat([product(part, linear.weight, None if linear.bias is None else linear.bias / bias_divisor,
+                                  linear.fp8) for part, linear in zip(rows.split(sizes), linears)])
     # one non-blocking copy of the host counts (a plain torch.tensor(...).to(device) would block the host)
     counts = to_device(torch.tensor(sizes, dtype=torch.int32), rows.device)
     ends = counts.cumsum(0, dtype=torch.int32)

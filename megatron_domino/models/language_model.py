@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..fp8.scaling import Fp8Recipe
 from ..tensor_parallel.async_comm import launch_reduce
 from ..parallel import comm
 from ..tensor_parallel import (ParamInfo, ShardSpec, LayerContext, VocabParallelEmbedding, column_parallel_linear,
@@ -32,10 +33,11 @@ WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 class LanguageModel(nn.Module):
     def __init__(self, cfg, ctx: LayerContext | None = None, *, layer_ids: list[int] | None = None,
                  has_embedding: bool = True, has_head: bool = True):
-        """``ctx``: where the TP layers run (default: one rank, fp32, CPU). Execution strategies are applied
-        from outside (``models.stage_chunks.build_model``: Domino's forward order, recompute)."""
+        """``ctx``: where the TP layers run (default: one rank, fp32, CPU, FP8 as ``cfg.fp8`` says). Execution
+        strategies are applied from outside (``models.stage_chunks.build_model``: Domino's forward order,
+        recompute)."""
         super().__init__()
-        self.cfg, self.ctx = cfg, ctx or LayerContext()
+        self.cfg, self.ctx = cfg, ctx or LayerContext(fp8=Fp8Recipe.from_model(cfg))
         self.has_embedding, self.has_head = has_embedding, has_head
         self.layer_ids = list(range(cfg.num_layers)) if layer_ids is None else list(layer_ids)
         self.padded_vocab = cfg.padded_vocab_size(self.ctx.size)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..fp8.linear import linear
 from ..tensor_parallel import (ColumnParallelLinear, LayerContext, ParamInfo, ShardSpec, column_parallel_linear,
                                declare, make_param)
 from .attention import AttentionPhase
@@ -101,6 +102,7 @@ class LatentAttention(AttentionPhase):
         return out[..., :self.v_dim].transpose(1, 2).reshape(b, s, -1)
 
 
-def _up(linear: ColumnParallelLinear, latent: torch.Tensor) -> torch.Tensor:
-    """A column-parallel up-projection of a latent that has already entered TP (no second entry)."""
-    return F.linear(latent, linear.weight)
+def _up(up: ColumnParallelLinear, latent: torch.Tensor) -> torch.Tensor:
+    """A column-parallel up-projection of a latent that has already entered TP (no second entry); FP8 as the
+    layer's own product would be."""
+    return linear(latent, up.weight, None, up.fp8)

@@ -47,8 +47,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..fp8.linear import linear
+from ..fp8.scaling import GRAD, INPUT, WEIGHT
 from ..parallel import comm
 from ..tensor_parallel import ParamInfo, LayerContext, declare, make_param
+from ..tensor_parallel.layers import fp8_scaling
 from ..tensor_parallel.async_comm import launch_reduce
 from .expert_dispatch import ExpertExchange
 from .balance import AttachLosses, BalanceSet
@@ -123,13 +126,18 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({str(e): MLP(cfg, ctx if self.split else whole, cfg.moe_ffn_size)
                                       for e in range(ep_rank * local, (ep_rank + 1) * local)})
         for expert in self.experts.values():
-            for linear in (expert.fc1, expert.fc2):
-                for name, info in linear.param_info.items():
+            for layer in (expert.fc1, expert.fc2):
+                for name, info in layer.param_info.items():
                     # a split fc2 bias is gate-weighted per token: added as partials, its gradient sums over TP
-                    sums_over_tp = self.split and (info.grad_sums_over_tp or (linear is expert.fc2 and name == "bias"))
-                    declare(linear, name, getattr(linear, name),
+                    sums_over_tp = self.split and (info.grad_sums_over_tp or (layer is expert.fc2 and name == "bias"))
+                    declare(layer, name, getattr(layer, name),
                             replace(info, expert=True, grad_sums_over_tp=sums_over_tp,
                                     spec=info.spec if self.split else None, tp_replicated=self.split))
+        if ctx.fp8 is not None:  # one scaling per projection for all the layer's experts (fp8/state.py)
+            experts_ctx = ctx if self.split else whole
+            fc1, fc2 = fp8_scaling(experts_ctx, (WEIGHT, GRAD)), fp8_scaling(experts_ctx, (WEIGHT, INPUT))
+            for expert in self.experts.values():
+                expert.fc1.fp8, expert.fc2.fp8 = fc1, fc2
         self.grouped_gemm = cfg.moe_grouped_gemm
         if self.grouped_gemm and grouped_mm is None:
             raise ValueError(f"model.moe_grouped_gemm = true: torch {torch.__version__} has no grouped_mm. Fix: use "
@@ -202,7 +210,7 @@ class MoE(nn.Module):
         weighted = rows * gates.flatten()[routed.assignments].unsqueeze(-1).to(rows.dtype)
         out = rows.new_zeros(b * s, h).index_add(0, routed.tokens, weighted).view(b, s, h)
         if routed.shared is not None:
-            out = out + F.linear(routed.shared, self.shared_experts.fc2.weight)
+            out = out + linear(routed.shared, self.shared_experts.fc2.weight, None, self.shared_experts.fc2.fp8)
         return out
 
     def _bias(self):

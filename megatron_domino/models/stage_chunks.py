@@ -7,7 +7,9 @@ import torch
 
 from ..domino.model_forward import apply_domino
 from ..domino.plan import DominoPlan
+from ..fp8.scaling import Fp8Recipe
 from ..tensor_parallel import LayerContext
+from .compiled import apply_compile
 from .init import initialize_weights
 from .language_model import LanguageModel
 from .recompute import apply_recompute
@@ -20,7 +22,8 @@ def build_chunks(cfg, state, places, *, dtype=torch.float32, device=None, init_s
     ``rng``: the run's ``RNGTracker``, which every chunk's dropout (and its recompute) draws from."""
     par = cfg.parallel
     ctx = LayerContext(state.tp_group, par.sequence_parallel, dtype=dtype, device=device, cp_group=state.cp_group,
-                       ep_group=state.expert_group, experts_split=state.topology.expert_tp == state.tp_size, rng=rng)
+                       ep_group=state.expert_group, experts_split=state.topology.expert_tp == state.tp_size, rng=rng,
+                       fp8=Fp8Recipe.from_model(cfg.model))
     plan = DominoPlan.from_config(par)
     chunks = []
     for place in places:
@@ -34,10 +37,11 @@ def build_chunks(cfg, state, places, *, dtype=torch.float32, device=None, init_s
 
 def build_model(model_cfg, ctx: LayerContext | None = None, plan: DominoPlan = DominoPlan(), **place) -> LanguageModel:
     """A ``LanguageModel`` (``place``: layer_ids, has_embedding, has_head) with the run's execution strategies
-    applied from outside: Domino's (its input-gradient pieces in the layers' context, its forward order) and
-    ``model.recompute`` (drawing on ``ctx.rng``)."""
+    applied from outside: Domino's (its input-gradient pieces in the layers' context, its forward order),
+    ``model.recompute`` (drawing on ``ctx.rng``) and ``model.compile``."""
     ctx = replace(ctx or LayerContext(), grad_pieces=plan.grad_pieces)
     model = LanguageModel(model_cfg, ctx, **place)
     apply_recompute(model, model_cfg.recompute, ctx.rng)
+    apply_compile(model, model_cfg)
     apply_domino(model, plan)
     return model

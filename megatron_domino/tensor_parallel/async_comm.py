@@ -22,16 +22,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..fp8.linear import fp8_forward, linear, linear_backward
 from ..parallel import comm
 
 
 @contextmanager
 def gradient_pass(nodes, inputs: bool, weights: bool):
-    """Within: the ``LinearWithAsyncInputGradient`` nodes among ``nodes`` compute input gradients only if
-    ``inputs``, weight gradients only if ``weights`` (``pipeline.split_backward`` runs I and W under it). The
-    engine skips a built-in node's unneeded outputs by itself but cannot tell a Python Function which of its
-    outputs are needed, so the mode is set on the Function's own autograd node, which lives as long as it."""
-    linears = [node for node in nodes if isinstance(node, LinearWithAsyncInputGradient._backward_cls)]
+    """Within: the linear Functions among ``nodes`` (``LinearWithAsyncInputGradient``, ``fp8.linear.Fp8Linear``:
+    nodes with ``gradients``) compute input gradients only if ``inputs``, weight gradients only if ``weights``
+    (``pipeline.split_backward`` runs I and W under it). The engine skips a built-in node's unneeded outputs by
+    itself but cannot tell a Python Function which of its outputs are needed, so the mode is set on the
+    Function's own autograd node, which lives as long as it."""
+    linears = [node for node in nodes if hasattr(node, "gradients")]
     saved = [node.gradients for node in linears]
     for node in linears:
         node.gradients = (inputs, weights)
@@ -125,12 +127,13 @@ class PendingInputGradient:
         self.work: list[tuple[torch.Tensor, slice, object, object]] = []
         self.grad: torch.Tensor | None = None
 
-    def launch(self, grad_output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """grad_input = grad_output @ weight, computed and reduced piece by piece along the input features."""
-        in_features = weight.shape[1]
+    def launch(self, products, in_features: int) -> torch.Tensor:
+        """grad_input = grad_output @ weight (``products``: ``fp8.linear``'s backward products of the linear),
+        computed and reduced piece by piece along the input features."""
+        grad_output = products.grad_output
         communicate = comm.group_size(self.group) > 1
         if self.pieces <= 1 and not self.sequence_parallel:  # one piece, reduced in place
-            self.grad = grad_output.matmul(weight)
+            self.grad = products.input_grad()
             handle = dist.all_reduce(self.grad, group=self.group, async_op=True) if communicate else None
             self.work.append((self.grad, slice(None), handle, None))
             return self.grad
@@ -139,7 +142,7 @@ class PendingInputGradient:
             shape[comm.SEQUENCE_DIM] //= comm.group_size(self.group)
         self.grad = grad_output.new_empty(shape)
         for columns in _column_slices(in_features, max(1, self.pieces)):
-            piece = grad_output.matmul(weight[:, columns])
+            piece = products.input_grad(columns)
             if self.sequence_parallel:
                 out, handle, keep_alive = comm.reduce_scatter_sequence_async(piece, self.group)
                 self.work.append((out, columns, handle, keep_alive))
@@ -186,36 +189,34 @@ class LinearWithAsyncInputGradient(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, pending: PendingInputGradient):
+    def forward(ctx, x, weight, bias, pending: PendingInputGradient, fp8=None):
         if pending.sequence_parallel:  # this rank's sequence slice -> the whole sequence
             x = comm.gather_sequence(x, pending.group)
         ctx.save_for_backward(x, weight)
-        ctx.pending, ctx.has_bias = pending, bias is not None
+        ctx.pending, ctx.has_bias, ctx.fp8, ctx.scales = pending, bias is not None, fp8, None
         ctx.gradients = (True, True)  # (input, weight); ``gradient_pass`` narrows it for a split backward
-        return F.linear(x, weight, bias)
+        if fp8 is None:
+            return F.linear(x, weight, bias)
+        out, ctx.scales = fp8_forward(x, weight, bias, fp8)
+        return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, weight = ctx.saved_tensors
-        inputs, weights = ctx.gradients
-        grad_input = ctx.pending.launch(grad_output, weight) if inputs else None
-        if not weights:  # I of a split backward: W computes these later
-            return grad_input, None, None, None
-        flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
-        grad_weight = flat_grad.t().matmul(x.reshape(-1, x.shape[-1]))
-        grad_bias = flat_grad.sum(0) if ctx.has_bias else None
-        return grad_input, grad_weight, grad_bias, None
+        launch = lambda products: ctx.pending.launch(products, products.weight.shape[1])  # noqa: E731
+        return *linear_backward(ctx, grad_output, launch), None, None
 
 
-def column_linear_async(x, weight, bias, group, pieces: int, sequence_parallel: bool = False):
-    """A column-parallel linear whose backward overlaps the input-gradient all-reduce with weight-gradient work."""
+def column_linear_async(x, weight, bias, group, pieces: int, sequence_parallel: bool = False, fp8=None):
+    """A column-parallel linear whose backward overlaps the input-gradient all-reduce with weight-gradient work
+    (``fp8``: the linear's ``LinearScaling``, its products in FP8)."""
     pending = PendingInputGradient(group, pieces, sequence_parallel)
-    return LinearWithAsyncInputGradient.apply(WaitForInputGradient.apply(x, pending), weight, bias, pending)
+    return LinearWithAsyncInputGradient.apply(WaitForInputGradient.apply(x, pending), weight, bias, pending, fp8)
 
 
-def row_linear_launch(x, weight, group, pieces: int, sequence_parallel: bool = False) -> PendingReduce:
+def row_linear_launch(x, weight, group, pieces: int, sequence_parallel: bool = False, fp8=None) -> PendingReduce:
     """A row-parallel linear whose output all-reduce (SP: reduce-scatter) is launched per column piece."""
     if pieces <= 1:
-        return launch_reduce([F.linear(x, weight)], group, sequence_parallel=sequence_parallel)
-    partials = (F.linear(x, weight[rows]) for rows in _column_slices(weight.shape[0], pieces))
+        return launch_reduce([linear(x, weight, None, fp8)], group, sequence_parallel=sequence_parallel)
+    scale = None if fp8 is None else fp8.whole_weight_scale(weight)  # every piece quantised as the whole weight
+    partials = (linear(x, weight[rows], None, fp8, scale) for rows in _column_slices(weight.shape[0], pieces))
     return launch_reduce(partials, group, count=pieces, sequence_parallel=sequence_parallel)

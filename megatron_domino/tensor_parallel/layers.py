@@ -8,10 +8,11 @@ asynchronous variants from ``async_comm``; Domino's order decides when to wait.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .async_comm import PendingReduce, column_linear_async, row_linear_launch
+from ..fp8.linear import linear
+from ..fp8.scaling import GRAD, INPUT, WEIGHT, LinearScaling
 from ..parallel import comm
 from .context import LayerContext
 from .sharding import ParamInfo, ShardSpec, declare
@@ -23,13 +24,18 @@ def make_param(shape, ctx: LayerContext) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=ctx.dtype, device=ctx.device))
 
 
-def column_parallel_linear(x, weight, bias, ctx: LayerContext):
+def fp8_scaling(ctx: LayerContext, split: tuple[int, ...]) -> LinearScaling | None:
+    """A linear's FP8 scaling state under ``ctx.fp8`` (``split``: its operands that TP splits), else None."""
+    return None if ctx.fp8 is None else LinearScaling(ctx.fp8, split, ctx.group, ctx.device)
+
+
+def column_parallel_linear(x, weight, bias, ctx: LayerContext, fp8: LinearScaling | None = None):
     """The column-parallel product with its TP entry: Domino async, SP all-gather, or Megatron's copy."""
     if ctx.grad_pieces > 0:
-        return column_linear_async(x, weight, bias, ctx.group, ctx.grad_pieces, ctx.sequence_parallel)
+        return column_linear_async(x, weight, bias, ctx.group, ctx.grad_pieces, ctx.sequence_parallel, fp8)
     if ctx.sequence_parallel:
-        return F.linear(comm.gather_from_sp(x, ctx.group), weight, bias)
-    return F.linear(comm.copy_to_tp(x, ctx.group), weight, bias)
+        return linear(comm.gather_from_sp(x, ctx.group), weight, bias, fp8)
+    return linear(comm.copy_to_tp(x, ctx.group), weight, bias, fp8)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -52,10 +58,11 @@ class ColumnParallelLinear(nn.Module):
         declare(self, "weight", make_param((local_out, in_features), ctx), ParamInfo(spec, "normal", init_std))
         declare(self, "bias", make_param((local_out,), ctx) if bias else None,
                 ParamInfo(ShardSpec(0, spec.parts), "zeros"))
+        self.fp8 = fp8_scaling(ctx, (WEIGHT, GRAD))  # TP splits the weight's rows and the output's gradient
 
     def forward(self, x: torch.Tensor):
         bias = None if self.skip_bias_add else self.bias
-        out = column_parallel_linear(x, self.weight, bias, self.ctx)
+        out = column_parallel_linear(x, self.weight, bias, self.ctx, self.fp8)
         if self.gather_output:
             out = comm.gather_from_tp(out, self.ctx.group)
         return (out, self.bias) if self.skip_bias_add else out
@@ -79,16 +86,18 @@ class RowParallelLinear(nn.Module):
         # Under SP the bias is added to this rank's slice of the sequence only: its gradient sums over TP.
         declare(self, "bias", make_param((out_features,), ctx) if bias else None,
                 ParamInfo(None, "zeros", grad_sums_over_tp=ctx.sequence_parallel))
+        self.fp8 = fp8_scaling(ctx, (WEIGHT, INPUT))  # TP splits the weight's columns and the input
 
     def forward(self, x: torch.Tensor):
         group = self.ctx.group
         if not self.input_is_parallel:
             x = comm.scatter_to_tp(x, group)
-        partial = F.linear(x, self.weight)
+        partial = linear(x, self.weight, None, self.fp8)
         if self.ctx.sequence_parallel:
             return comm.reduce_scatter_to_sp(partial, group), self.bias
         return comm.reduce_from_tp(partial, group), self.bias
 
     def launch(self, x: torch.Tensor, pieces: int = 1) -> tuple[PendingReduce, torch.Tensor | None]:
         """Domino: start the output all-reduce or SP reduce-scatter (in ``pieces`` column pieces); do not wait."""
-        return row_linear_launch(x, self.weight, self.ctx.group, pieces, self.ctx.sequence_parallel), self.bias
+        return row_linear_launch(x, self.weight, self.ctx.group, pieces, self.ctx.sequence_parallel,
+                                 self.fp8), self.bias

@@ -28,6 +28,7 @@ from ..checkpoint_format import resolve_load_path  # noqa: F401 - the trainer ta
 from ..config.errors import CheckpointError
 from ..config.loader import config_to_dict
 from ..files import fsync_dir, fsync_file
+from ..fp8.state import delayed_scalings
 from ..models.full_state import saved_parameters
 from ..optim.sharded_state import ShardedStateLoad, checkpoint_meta, checkpoint_regions, sharded_weight_fragments
 from ..parallel.device import cuda
@@ -65,6 +66,25 @@ def model_state(chunks, tp_rank: int, optimizer=None) -> dict[str, tensors.Store
             state[f"model/{name}"] = tensors.Stored(stored_shape(param.shape, info), param.dtype,
                                                     tensors.pieces_of(_weight_regions(param, info, tp_rank, shards)))
     return state
+
+
+def _whole(tensor: torch.Tensor) -> tensors.Piece:
+    return tensors.Piece((0,) * tensor.dim(), tuple(tensor.shape), tensor)
+
+
+def fp8_histories(chunks) -> dict[str, tensors.Stored]:
+    """'fp8/<linear>' -> its amax history (delayed FP8 scaling): replicated over the stage, written once."""
+    return {f"fp8/{name}": tensors.Stored(tuple(s.history.shape), s.history.dtype, [_whole(s.history)])
+            for name, s in delayed_scalings(chunks).items()}
+
+
+def fp8_history_targets(chunks, step_dir: str) -> tuple[dict[str, list[tensors.Piece]], list]:
+    """Where a load puts the saved histories, and the scalings to refresh after it; a checkpoint without them
+    (trained without delayed FP8) leaves the histories empty."""
+    delayed = delayed_scalings(chunks)
+    stored = tensors.stored_tensors(tensors.read_index(step_dir)) if delayed else {}
+    wanted = {f"fp8/{name}": [_whole(s.history)] for name, s in delayed.items() if f"fp8/{name}" in stored}
+    return wanted, [s for name, s in delayed.items() if f"fp8/{name}" in stored]
 
 
 def optimizer_state(optimizer) -> dict[str, tensors.Stored]:
@@ -118,7 +138,8 @@ class Checkpointer:
         torch.save(self.rng.capture(), rng_path)
         fsync_file(rng_path)
         optimizer.settle()  # an offloaded update still on the host thread
-        content = {**model_state(chunks, self.state.tp_rank, optimizer), **optimizer_state(optimizer)}
+        content = {**model_state(chunks, self.state.tp_rank, optimizer), **optimizer_state(optimizer),
+                   **fp8_histories(chunks)}
         meta = fmt.metadata(step, config_to_dict(self.cfg), self._layout(), consumed_samples=consumed_samples,
                             lr_schedule=lr_schedule.state_dict(), optimizer=checkpoint_meta(optimizer))
         if self.cfg.checkpoint.async_save:
@@ -178,6 +199,8 @@ class Checkpointer:
         if optimizer is not None:
             optimizer.settle()  # nothing may still write the weights being loaded
         wanted = model_targets(chunks, self.state.tp_rank, optimizer)
+        fp8_wanted, fp8_loaded = fp8_history_targets(chunks, path)
+        wanted.update(fp8_wanted)
         optimizer_load = None
         if metadata.get("has_optimizer") and optimizer is not None:
             optimizer_load = ShardedStateLoad(optimizer, metadata["optimizer"])
@@ -189,6 +212,8 @@ class Checkpointer:
             lr_schedule.load_state_dict(metadata["lr_schedule"])
         elif optimizer is not None:
             optimizer.weights_loaded()
+        for scaling in fp8_loaded:
+            scaling.derive_scales()
         rng_file = os.path.join(path, fmt.rng_file(self.state.rank))
         if fmt.saved_layout(metadata) == self._layout() and os.path.exists(rng_file):
             self.rng.restore(torch.load(rng_file, weights_only=True))

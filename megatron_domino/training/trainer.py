@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from ..config.loader import save_config
+from ..fp8.state import end_step as fp8_end_step
 from ..models.expert_bias import update_expert_biases
 from ..models.language_model import WORD_EMBEDDINGS
 from ..models.stage_chunks import build_chunks
@@ -155,6 +156,7 @@ class Trainer:
             stepped, grad_norm = self.optimizer.step(lr, self.guard.judge(self.step + 1, loss) if self.guard else None)
             if stepped:
                 update_expert_biases(self.chunks, self.state.dp_cp_group)
+            fp8_end_step(self.chunks, (self.state.tp_group, self.state.dp_cp_group), applied=stepped)
         self.timers.stop("optimizer")
         if self.guard is not None and self.guard.problem and self.guard.action == "stop":
             return {"bad_step": self.guard.problem}  # the step is not counted: state stays at the last good one

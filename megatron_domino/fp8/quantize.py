@@ -1,0 +1,122 @@
+"""FP8 operands and the scaled GEMM that multiplies them.
+
+An operand is 2-D and its last dimension is the one the GEMM contracts. Its scale is what dequantises it
+(value = fp8 number x scale, Transformer Engine's ``scale_inv``): one number for the whole tensor, or one per
+row and per tile of ``block`` columns ([rows, cols / block]), which covers DeepSeek-V3's 1 x 128 activation
+tiles and, repeated over a block's rows, its 128 x 128 weight blocks. With tiles the GEMM runs one
+row-wise-scaled product per tile column and sums them in fp32, which is DeepSeek's "promotion" at every
+block of the contraction; ``torch._scaled_mm`` does each product (CPU and CUDA alike).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+FORMATS = {"e4m3": getattr(torch, "float8_e4m3fn", None), "e5m2": getattr(torch, "float8_e5m2", None)}
+
+
+@dataclass
+class Quantized:
+    data: torch.Tensor  # float8, [rows, cols], row-major
+    scale: torch.Tensor  # fp32 dequantisation multipliers: [] or [rows, cols / block]
+    block: int = 0  # tile width along the columns; 0: one scale for the whole tensor
+
+    def rows(self, index) -> "Quantized":
+        """The operand restricted to some rows (a Domino piece of a weight)."""
+        scale = self.scale if self.block == 0 else self.scale[index]
+        return Quantized(self.data[index], scale, self.block)
+
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0, power_of_two: bool = True) -> torch.Tensor:
+    """The dequantisation scale that maps ``amax`` to the format's largest value (2^margin below it); an
+    all-zero tensor gets scale 1. ``power_of_two`` rounds it up to one: dividing by it is exact, and an amax
+    that differs in its last bits between two layouts (a sum in another order) gives the same scale, where an
+    exact scale would move every element's rounding a little and flip some."""
+    amax = amax.float()
+    scale = amax * (2.0 ** margin) / torch.finfo(dtype).max
+    if power_of_two:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-limit, limit).to(dtype)
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    return x.abs().amax().float()
+
+
+def _tile_cast(tiles: torch.Tensor, dtype: torch.dtype, margin: int, power_of_two: bool):
+    """[row tiles, rows, col tiles, cols] -> (the FP8 tiles, their scales [row tiles, col tiles])."""
+    scale = scale_from_amax(tiles.abs().amax(dim=(1, 3)), dtype, margin, power_of_two)
+    return _cast(tiles, scale[:, None, :, None], dtype), scale
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The elementwise work of quantising: an amax, a cast, a tile's amax and cast. ``model.compile`` fuses each
+    into one kernel (``compiled_kernels``); eagerly each is a chain of ATen ops."""
+
+    amax: Callable = _amax
+    cast: Callable = _cast
+    tile_cast: Callable = _tile_cast
+
+
+EAGER = Kernels()
+
+
+@functools.cache
+def compiled_kernels() -> Kernels:
+    """The same functions through torch.compile, once per process; shapes are dynamic (every linear's differ)."""
+    return Kernels(*(torch.compile(f, dynamic=True, fullgraph=True) for f in (_amax, _cast, _tile_cast)))
+
+
+def quantize_tensorwise(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, kernels: Kernels = EAGER
+                        ) -> Quantized:
+    return Quantized(kernels.cast(x, scale, dtype).contiguous(), scale.float().reshape(()))
+
+
+def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``x`` with zero rows and columns added up to multiples of ``rows`` and ``cols`` (zeros change no amax)."""
+    pad_rows, pad_cols = -x.shape[0] % rows, -x.shape[1] % cols
+    return torch.nn.functional.pad(x, (0, pad_cols, 0, pad_rows)) if pad_rows or pad_cols else x
+
+
+def quantize_tiles(x: torch.Tensor, block: int, dtype: torch.dtype, margin: int = 0, tile_rows: int = 1,
+                   power_of_two: bool = True, kernels: Kernels = EAGER) -> Quantized:
+    """Scales per ``tile_rows`` x ``block`` tile (1: DeepSeek's activation tiles; ``block``: its weight blocks),
+    stored per row. ``x`` may be a transposed view: the FP8 data comes out row-major in one pass."""
+    rows, cols = x.shape
+    padded = _padded(x.float(), tile_rows, block)
+    tiles = padded.reshape(padded.shape[0] // tile_rows, tile_rows, padded.shape[1] // block, block)
+    data, scale = kernels.tile_cast(tiles, dtype, margin, power_of_two)
+    data = data.reshape(padded.shape)[:rows, :cols]
+    return Quantized(data.contiguous(), scale.repeat_interleave(tile_rows, 0)[:rows].contiguous(), block)
+
+
+def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b^T, [rows of a, rows of b], accumulated in fp32 (into ``out`` when given)."""
+    shape = (a.data.shape[0], b.data.shape[0])
+    if out is None:
+        out = a.data.new_empty(shape, dtype=out_dtype)
+    if 0 in (*shape, a.data.shape[1]):  # an expert without rows
+        return out.zero_()
+    if a.block == 0 and b.block == 0:
+        return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale, scale_b=b.scale, out_dtype=out.dtype, out=out)
+    if a.block != b.block:
+        raise ValueError(f"FP8 operands tiled differently: {a.block} and {b.block} columns")
+    block, cols = a.block, a.data.shape[1]
+    total = None
+    for tile, start in enumerate(range(0, cols, block)):
+        columns = slice(start, min(start + block, cols))
+        part = torch._scaled_mm(a.data[:, columns].contiguous(), b.data[:, columns].contiguous().t(),
+                                scale_a=a.scale[:, tile:tile + 1].contiguous(),
+                                scale_b=b.scale[:, tile:tile + 1].reshape(1, -1).contiguous(),
+                                out_dtype=torch.float32)
+        total = part if total is None else total.add_(part)
+    return out.copy_(total)
