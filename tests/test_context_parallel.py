@@ -54,7 +54,8 @@ def _train(world_size, cfg, documents):
         per_rank = GLOBAL_BATCH // ps.dp_size
         for samples in _samples(cfg.model, documents):
             mine = samples[ps.dp_rank * per_rank:(ps.dp_rank + 1) * per_rank]
-            yield [split_for_context_parallel(collate(mine[i:i + MICRO_BATCH]), ps.cp_size, ps.cp_rank)
+            yield [split_for_context_parallel(collate(mine[i:i + MICRO_BATCH]), ps.cp_size, ps.cp_rank,
+                                              ps.topology.cp_a2a)
                    for i in range(0, per_rank, MICRO_BATCH)]
     return train_steps(world_size, cfg, cfg.optimizer, steps, LR)
 

@@ -28,6 +28,7 @@ DOMINO_SPLITS = ("row", "column", "2d")
 DOMINO_OVERLAPS = ("intra", "inter")
 PIPELINE_PARTITIONS = ("uniform", "parameters")
 PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+CP_COMMS = ("ring", "a2a", "a2a+ring")  # CP: ring attention (Megatron's p2p), Ulysses all-to-all, both nested
 BACKENDS = ("auto", "nccl", "gloo")
 
 
@@ -39,6 +40,8 @@ class ParallelConfig:
     pp: int = 1
     dp: Optional[int] = None  # None: world_size // (tp * cp * pp)
     cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention); Megatron's context_parallel_size
+    cp_comm: str = "ring"  # CP_COMMS: K/V blocks around a ring, or all-to-alls over the heads (Ulysses)
+    cp_a2a_size: Optional[int] = None  # a2a+ring: CP ranks per all-to-all group (inside a node); rings join the groups
     virtual_pp: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     order: str = "tp-cp-dp-pp"  # a permutation of AXES, innermost axis first
     sequence_parallel: bool = False

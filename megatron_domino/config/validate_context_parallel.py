@@ -1,8 +1,8 @@
 """The context-parallel rules (``parallel.cp`` > 1), gathered by ``megatron_domino.validation``: what ring
-attention can run."""
+attention and the all-to-alls (Ulysses) can run."""
 from __future__ import annotations
 
-from .schema import Config
+from .schema import CP_COMMS, Config
 
 
 def check_context_parallel(c, cfg: Config) -> None:
@@ -13,12 +13,44 @@ def check_context_parallel(c, cfg: Config) -> None:
         c.divides("model.seq_length", m.seq_length, 2 * p.cp,
                   f"2 * parallel.cp = {2 * p.cp} (each CP rank holds two equal chunks, for causal load balance)",
                   f"use a sequence length that is a multiple of {2 * p.cp}, or another parallel.cp")
-    if m.attention_backend not in ("auto", "flash"):
+    c.one_of("parallel.cp_comm", p.cp_comm, CP_COMMS)
+    if p.cp_comm == "a2a":
+        _check_a2a(c, cfg, p.cp, "cp")
+    elif p.cp_comm == "a2a+ring":
+        size = p.cp_a2a_size
+        if not isinstance(size, int) or not 1 < size < p.cp or p.cp % size:
+            c.fail("parallel.cp_a2a_size", size, f"parallel.cp_comm=a2a+ring needs the all-to-all group size: "
+                   f"a divisor of parallel.cp = {p.cp} between 2 and cp / 2 (the ring joins cp / size groups)",
+                   "set it to the CP ranks inside one node (e.g. 8), or use parallel.cp_comm=a2a or ring")
+        else:
+            _check_a2a(c, cfg, size, "cp_a2a_size")
+    if p.cp_comm != "a2a" and m.attention_backend not in ("auto", "flash"):
         c.fail("model.attention_backend", m.attention_backend,
                "ring attention (parallel.cp > 1) runs its own fused kernels, which return the log-sum-exp it merges "
                "by (flash on the CPU, memory-efficient on CUDA); it cannot run the efficient or math pin",
-               "use model.attention_backend=auto or flash, or parallel.cp=1")
+               "use model.attention_backend=auto or flash, parallel.cp_comm=a2a, or parallel.cp=1")
+    if p.cp_a2a_size is not None and p.cp_comm != "a2a+ring":
+        c.fail("parallel.cp_a2a_size", p.cp_a2a_size, "is the all-to-all group of parallel.cp_comm=a2a+ring only",
+               "set parallel.cp_comm=a2a+ring, or leave parallel.cp_a2a_size unset")
     if m.attention_dropout > 0:
         c.fail("model.attention_dropout", m.attention_dropout,
-               "ring attention (parallel.cp > 1) has no attention dropout",
+               "context parallelism (parallel.cp > 1, ring or all-to-all) has no attention dropout",
                "set model.attention_dropout=0 (Llama and most long-context recipes use 0), or parallel.cp=1")
+
+
+def _check_a2a(c, cfg: Config, size: int, key: str) -> None:
+    """Ulysses (``models/ulysses.py``): a TP rank's heads are cut into ``size`` slices (``key``: the setting that
+    gives it); its K/V groups too, or repeated until they can be."""
+    p, m = cfg.parallel, cfg.model
+    if not all(isinstance(n, int) and n >= 1 for n in (m.num_attention_heads, p.tp)) or m.num_attention_heads % p.tp:
+        return  # the TP split's rules name them
+    heads = m.num_attention_heads // p.tp
+    if heads % size:
+        c.fail(f"parallel.{key}", size, f"parallel.cp_comm={p.cp_comm} gives each rank of an all-to-all group 1/{size} "
+               f"of a TP rank's {heads} heads (model.num_attention_heads / parallel.tp): {size} must divide them",
+               f"use a parallel.{key} that divides num_attention_heads / tp, or parallel.cp_comm=ring")
+    groups = m.kv_heads // p.tp if m.kv_heads % p.tp == 0 else 0
+    if groups and groups % size and size % groups:
+        c.fail("model.num_query_groups", m.query_groups, f"parallel.cp_comm={p.cp_comm} cuts a TP rank's {groups} "
+               f"K/V groups into {size} slices, or repeats them until it can: the two must divide one another",
+               f"use a number of groups that divides {size} or is a multiple of it, or parallel.cp_comm=ring")

@@ -27,6 +27,7 @@ from ..tensor_parallel import ColumnParallelLinear, LayerContext, ParamInfo, Row
 from .document_attention import document_attention
 from .norms import Norm
 from .ring_attention import Ring, ring_attention
+from .ulysses import Ulysses, ulysses_attention
 from .recompute import run
 from .rope import apply_rotary
 from .tokens import NO_CONTEXT, TokenContext
@@ -56,6 +57,20 @@ def _head_norm(cfg, ctx: LayerContext) -> Norm:
     return norm
 
 
+def context_parallel_attention(ctx: LayerContext) -> tuple[Ring | None, Ulysses | None]:
+    """How attention spans the CP ranks (``parallel.cp_comm``): a ring over them all, an all-to-all over them
+    all, or an all-to-all inside each group of ``cp_a2a`` consecutive ranks and a ring across the groups."""
+    if ctx.cp_size == 1:
+        return None, None
+    if ctx.cp_comm == "ring":
+        return Ring(ctx.cp_group, ctx.cp_rank, ctx.cp_size), None
+    if ctx.cp_comm == "a2a":
+        return None, Ulysses(ctx.cp_group, ctx.cp_size, ctx.cp_size)
+    size, (ring_rank, _) = ctx.cp_a2a, divmod(ctx.cp_rank, ctx.cp_a2a)
+    return (Ring(ctx.cp_ring_group, ring_rank, ctx.cp_size // size),
+            Ulysses(ctx.cp_a2a_group, size, ctx.cp_size, first=ring_rank * size, layout=size))
+
+
 class AttentionPhase(nn.Module):
     """What every attention shares: the output projection (the phase's TP exit) and the core (SDPA, packed
     documents, the CP ring); subclasses compute the heads' queries, keys and values in ``hidden``."""
@@ -64,7 +79,7 @@ class AttentionPhase(nn.Module):
         super().__init__()
         self.dropout_p, self.backend, self.ctx = cfg.attention_dropout, cfg.attention_backend, ctx
         self.run_core = run  # how the attention core runs (``recompute.apply_recompute`` may recompute it)
-        self.ring = Ring(ctx.cp_group, ctx.cp_rank, ctx.cp_size) if ctx.cp_size > 1 else None
+        self.ring, self.ulysses = context_parallel_attention(ctx)
         self.proj = RowParallelLinear(out_width, cfg.hidden_size, ctx, bias=cfg.bias,
                                       init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers))
 
@@ -79,8 +94,16 @@ class AttentionPhase(nn.Module):
     def _core(self, q, k, v, doc_offsets):
         """Causal softmax(QK^T/sqrt(d)) V, within each document where ``doc_offsets`` (host memory) are given;
         dropout on probabilities uses the TP stream (heads differ per rank)."""
-        if self.ring is not None:  # context parallel: the sequence is spread over the ring
-            return ring_attention(q, k, v, self.ring, doc_offsets)
+        if self.ring is not None:
+            spread = lambda q, k, v: ring_attention(q, k, v, self.ring, doc_offsets)  # noqa: E731
+        else:
+            spread = lambda q, k, v: self._whole(q, k, v, doc_offsets)  # noqa: E731
+        if self.ulysses is not None:  # a slice of the heads, all the group's tokens (the offsets are the whole's)
+            return ulysses_attention(q, k, v, self.ulysses, spread)
+        return spread(q, k, v)
+
+    def _whole(self, q, k, v, doc_offsets):
+        """Attention over whole sequences, as SDPA (or one call per packed document) computes it."""
         dropout = self.dropout_p if self.training else 0.0
         grouped = q.shape[1] != k.shape[1]
         with self.ctx.tp_stream() if dropout > 0 else contextlib.nullcontext(), sdpa_backend(self.backend):

@@ -186,8 +186,8 @@ class LanguageModel(nn.Module):
             return batch["position_ids"]
         device = next(self.parameters()).device
         if self.ctx.cp_size > 1:  # this rank's two chunks of the sequence, built on the device (no host copy)
-            return local_positions(self.cfg.seq_length, self.ctx.cp_size, self.ctx.cp_rank, device).expand(
-                batch_size, -1)
+            return local_positions(self.cfg.seq_length, self.ctx.cp_size, self.ctx.cp_rank, device,
+                                   self.ctx.cp_a2a).expand(batch_size, -1)
         return torch.arange(self.cfg.seq_length, device=device).expand(batch_size, -1)
 
 

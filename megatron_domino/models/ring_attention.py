@@ -40,27 +40,32 @@ class Ring:
     size: int
 
 
-def chunk_starts(seq_length: int, cp_size: int, cp_rank: int) -> tuple[int, int]:
-    """Global start of the two chunks CP rank ``cp_rank`` holds (each seq_length / (2·cp) long)."""
-    chunk = seq_length // (2 * cp_size)
-    return cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
+def chunk_starts(seq_length: int, cp_size: int, cp_rank: int, a2a: int = 1) -> tuple[int, int]:
+    """Global start of the two pieces CP rank ``cp_rank`` holds (each seq_length / (2·cp) long): chunks i and
+    2·cp−1−i; under a2a+ring (``a2a`` ranks per all-to-all group, ring r = cp / a2a) member u of group j holds
+    piece u of the ring's chunks j and 2·r−1−j, so that the group together holds ring member j's two chunks."""
+    ring, (j, u) = cp_size // a2a, divmod(cp_rank, a2a)
+    chunk = seq_length // (2 * ring)
+    piece = chunk // a2a
+    return j * chunk + u * piece, (2 * ring - 1 - j) * chunk + u * piece
 
 
-def local_positions(seq_length: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+def local_positions(seq_length: int, cp_size: int, cp_rank: int, device=None, a2a: int = 1) -> torch.Tensor:
     """Global positions of this rank's tokens, in the order it holds them (int64 [seq_length / cp]), made on
     ``device`` (built there, not copied from the host)."""
-    chunk = seq_length // (2 * cp_size)
-    return torch.cat([torch.arange(start, start + chunk, device=device)
-                      for start in chunk_starts(seq_length, cp_size, cp_rank)])
+    piece = seq_length // (2 * cp_size)
+    return torch.cat([torch.arange(start, start + piece, device=device)
+                      for start in chunk_starts(seq_length, cp_size, cp_rank, a2a)])
 
 
-def split_for_context_parallel(batch: dict, cp_size: int, cp_rank: int) -> dict:
-    """This rank's part of a micro-batch: its two chunks of every per-token tensor, with their global positions.
+def split_for_context_parallel(batch: dict, cp_size: int, cp_rank: int, a2a: int = 1) -> dict:
+    """This rank's part of a micro-batch: its two pieces of every per-token tensor, with their global positions
+    (``a2a``: a2a+ring's all-to-all group size, ``chunk_starts``).
 
     Document offsets stay whole: they are global positions, read by ring attention.
     """
     seq_length = batch["tokens"].shape[1]
-    index = local_positions(seq_length, cp_size, cp_rank)
+    index = local_positions(seq_length, cp_size, cp_rank, a2a=a2a)
     part = {key: value if key == "doc_offsets" else value.index_select(1, index) for key, value in batch.items()}
     if "position_ids" not in part:  # whole rows, not a stride-0 view: the copy to the device needs dense memory
         part["position_ids"] = index.repeat(batch["tokens"].shape[0], 1)

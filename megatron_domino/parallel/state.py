@@ -58,6 +58,10 @@ class ParallelState:
         else:
             self.cp_group, self.cp_ranks = None, [self.rank]
             self.dp_cp_group, self.dp_cp_ranks = self.dp_group, self.dp_ranks
+        self.cp_a2a_group = self.cp_ring_group = None  # a2a+ring (models/ulysses.py): the nested CP groups
+        if 1 < topology.cp_a2a < topology.cp:
+            self.cp_a2a_group, _ = self._make(topology.cp_a2a_groups(), timeout)
+            self.cp_ring_group, _ = self._make(topology.cp_ring_groups(), timeout)
         # Without EP, every rank holds every expert: their replicas are the dense parameters' ones.
         if topology.ep > 1:
             self.ep_group, self.ep_ranks = self._make(topology.ep_groups(), timeout)

@@ -75,7 +75,7 @@ class Topology:
 
     def __init__(self, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
                  virtual_pp: int = 1, order: str = "tp-cp-dp-pp", cp: int = 1, ep: int = 1,
-                 expert_tp: int | None = None):
+                 expert_tp: int | None = None, cp_a2a: int = 1):
         c = Checks()
         dp = check_topology(c, world_size, tp, pp, dp, virtual_pp, order, cp, ep, expert_tp)
         c.raise_problems()
@@ -83,6 +83,7 @@ class Topology:
         axes = full_order(order).split("-")
         self.world_size, self.tp, self.cp, self.pp, self.dp, self.ep = world_size, tp, cp, pp, dp, ep
         self.virtual_pp, self.order = virtual_pp, "-".join(axes)
+        self.cp_a2a = cp_a2a  # a2a+ring: consecutive CP ranks in one all-to-all group; 1: no nesting
         self.sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
         self._strides = {}
         stride = 1
@@ -93,8 +94,9 @@ class Topology:
     @classmethod
     def from_config(cls, par, world_size: int) -> "Topology":
         """The topology a ``ParallelConfig`` asks for on ``world_size`` ranks."""
+        nested = getattr(par, "cp_comm", "ring") == "a2a+ring"
         return cls(world_size, par.tp, par.pp, par.dp, par.virtual_pp, par.order, cp=par.cp, ep=par.ep,
-                   expert_tp=par.expert_tp)
+                   expert_tp=par.expert_tp, cp_a2a=par.cp_a2a_size if nested else 1)
 
     def rank_of(self, tp: int = 0, pp: int = 0, dp: int = 0, cp: int = 0) -> int:
         """Global rank at a coordinate."""
@@ -142,6 +144,15 @@ class Topology:
         for tp, pp, dp in product(range(self.tp), range(self.pp), range(self.dp)):
             groups.append([self.rank_of(tp=tp, pp=pp, dp=dp, cp=cp) for cp in range(self.cp)])
         return sorted(groups)
+
+    def cp_a2a_groups(self) -> list[list[int]]:
+        """a2a+ring: each CP ring cut into runs of ``cp_a2a`` consecutive members (the all-to-all groups)."""
+        return sorted(ring[start:start + self.cp_a2a] for ring in self.cp_groups()
+                      for start in range(0, self.cp, self.cp_a2a))
+
+    def cp_ring_groups(self) -> list[list[int]]:
+        """a2a+ring: the members at the same place in every all-to-all group of a CP ring (the rings)."""
+        return sorted(ring[offset::self.cp_a2a] for ring in self.cp_groups() for offset in range(self.cp_a2a))
 
     def dp_groups(self) -> list[list[int]]:
         return self._groups_along("dp")

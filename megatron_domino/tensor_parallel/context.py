@@ -25,6 +25,9 @@ class LayerContext:
     dtype: torch.dtype = torch.float32
     device: torch.device | None = None
     cp_group: object = None  # the context-parallel ring (ring attention); None: one rank
+    cp_comm: str = "ring"  # how attention spans the CP ranks: "ring", "a2a" (Ulysses, models/ulysses.py), "a2a+ring"
+    cp_a2a_group: object = None  # a2a+ring: this rank's all-to-all group (consecutive CP ranks) ...
+    cp_ring_group: object = None  # ... and its ring across the groups
     ep_group: object = None  # the ranks sharing the experts out (MoE token exchange); None: one rank
     experts_split: bool = True  # experts split over TP like the MLP; False: whole, shared out over tp x ep
     rng: RNGTracker | None = None  # the run's dropout streams; None: one TP rank's default stream serves
@@ -49,6 +52,12 @@ class LayerContext:
     def cp_rank(self) -> int:
         """Rank in the ring, which is the cp coordinate (ring members are created in cp order)."""
         return comm.group_rank(self.cp_group)
+
+    @property
+    def cp_a2a(self) -> int:
+        """CP ranks per all-to-all group of a2a+ring (their tokens lie as ``ring_attention.local_positions`` says);
+        1 otherwise."""
+        return comm.group_size(self.cp_a2a_group) if self.cp_comm == "a2a+ring" else 1
 
     def tp_stream(self):
         """A context drawing dropout from this TP rank's stream (activations that differ per TP rank)."""

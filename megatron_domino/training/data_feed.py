@@ -57,5 +57,7 @@ class DataFeed:
         if self.mtp_depth:
             microbatches = [with_mtp_targets(b, self.mtp_depth) for b in microbatches]
         if self.state.cp_size > 1:  # this rank's two chunks of each sequence
-            return [split_for_context_parallel(b, self.state.cp_size, self.state.cp_rank) for b in microbatches]
+            state = self.state
+            return [split_for_context_parallel(b, state.cp_size, state.cp_rank, state.topology.cp_a2a)
+                    for b in microbatches]
         return microbatches

@@ -1,0 +1,106 @@
+"""Ulysses context parallelism (``parallel.cp_comm: a2a``, models/ulysses.py) trains like one process: 6 SGD steps
+(fp32, 1e-5) at cp 4 (GPT; Llama with packed documents; grouped-query K/V with fewer groups than ranks, repeated),
+cp 2 x dp 2 with ZeRO-2 (documents), MoE at cp 2 x dp 2, tp 2 x cp 2 with Domino and SP, cp 2 x pp 2 interleaved
+with full recompute, and tp 2 x cp 2 x pp 2 with Domino (8 ranks). So does ``a2a+ring`` (all-to-all groups of 2,
+a ring of 2 across them): GPT, Llama with documents, few K/V groups, MoE, and tp 2 x cp 4 with Domino and SP
+(8 ranks). The all-to-all's exchange is checked element by element; bad layouts are refused."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from megatron_domino.config import ConfigError
+from megatron_domino.models.ring_attention import local_positions
+from megatron_domino.models.ulysses import Ulysses, to_heads, to_sequence
+from megatron_domino.validation import validate_config
+from tests.harness import run_ranks
+from tests.test_context_parallel import LLAMA_16, MIXTURE, _check_all, _layout
+from tests.test_mtp import _with
+from tests.parity import layout_config
+from tests.test_pipeline import GLOBAL_BATCH, GPT, MICRO_BATCH
+
+FEW_GROUPS = replace(LLAMA_16, num_query_groups=2)  # 2 K/V groups over 4 ranks: each repeated twice
+
+
+def a2a(layout, **parallel):
+    return _with(layout, cp_comm="a2a", **parallel)
+
+
+def _exchange(rank, world_size):
+    """Every rank's tokens, tagged (head, global position), come back as the whole sequence of its head slice."""
+    import torch.distributed as dist
+    group = dist.new_group(list(range(world_size)))
+    ulysses, heads, seq = Ulysses(group, world_size, world_size), 8, 16
+    positions = local_positions(seq, world_size, rank)
+    tagged = (torch.arange(heads)[:, None] * 1000 + positions[None, :]).float()
+    x = torch.stack([tagged, tagged + 0.5]).unsqueeze(-1)  # [2 samples, heads, s / cp, 1]
+    whole = to_heads(x.clone().requires_grad_(), ulysses)
+    mine = torch.arange(rank * heads // world_size, (rank + 1) * heads // world_size)
+    expected = (mine[:, None] * 1000 + torch.arange(seq)[None, :]).float()
+    assert torch.equal(whole.squeeze(-1), torch.stack([expected, expected + 0.5]))
+    back = to_sequence(whole, ulysses)
+    assert torch.equal(back, x)
+    back.backward(x)  # the adjoint: the gradient travels back the same way
+    return True
+
+
+@pytest.mark.slow
+def test_the_all_to_all_gives_each_rank_the_whole_sequence_of_its_heads():
+    assert all(run_ranks(_exchange, 4, timeout=120))
+
+
+@pytest.mark.slow
+def test_a2a_at_cp4_cp2_dp2_moe_and_with_tp_domino_train_like_one_process():
+    _check_all(4, [a2a(_layout(GPT, cp=4)), a2a(_layout(LLAMA_16, cp=4, documents=True)),
+                   a2a(_layout(FEW_GROUPS, cp=4)),
+                   a2a(_layout(GPT, cp=2, dp=2, zero_stage=2, documents=True)),
+                   a2a(_layout(MIXTURE, cp=2, dp=2, documents=True)),
+                   a2a(_layout(LLAMA_16, cp=2, tp=2, domino=True, sequence_parallel=True)),
+                   a2a(_layout(replace(LLAMA_16, recompute="full"), cp=2, pp=2, virtual_pp=2))])
+
+
+@pytest.mark.slow
+def test_a2a_and_a2a_ring_compose_with_tp_domino_and_pipeline_on_8_ranks():
+    _check_all(8, [a2a(_layout(LLAMA_16, cp=2, tp=2, pp=2, domino=True, documents=True)),
+                   hybrid(_layout(LLAMA_16, cp=4, tp=2, domino=True, sequence_parallel=True, documents=True))])
+
+
+def hybrid(layout, size=2, **parallel):
+    return _with(layout, cp_comm="a2a+ring", cp_a2a_size=size, **parallel)
+
+
+@pytest.mark.slow
+def test_a2a_inside_groups_and_a_ring_across_them_trains_like_one_process():
+    """cp 4 = all-to-all groups of 2 x a ring of 2: GPT, Llama with documents, 2 K/V groups (one per group member),
+    and MoE at cp 4 (dp 1)."""
+    _check_all(4, [hybrid(_layout(GPT, cp=4)), hybrid(_layout(LLAMA_16, cp=4, documents=True)),
+                   hybrid(_layout(FEW_GROUPS, cp=4)), hybrid(_layout(MIXTURE, cp=4, documents=True))])
+
+
+@pytest.mark.quick
+def test_a2a_ring_lays_a_ring_members_chunks_over_its_group():
+    """cp 4 as groups of 2 and a ring of 2, 16 tokens: ring member 0 is chunks [0, 4) and [12, 16), member 1
+    [4, 8) and [8, 12); each group member holds one piece of each chunk (the ring's zig-zag balance kept)."""
+    held = [local_positions(16, 4, rank, a2a=2).tolist() for rank in range(4)]
+    assert held == [[0, 1, 12, 13], [2, 3, 14, 15], [4, 5, 8, 9], [6, 7, 10, 11]]
+    assert [local_positions(16, 4, rank).tolist() for rank in range(4)][1] == [2, 3, 12, 13]  # the ring's own
+
+
+@pytest.mark.quick
+def test_bad_a2a_layouts_are_refused_before_init():
+    def refused(model, **parallel):
+        cfg = layout_config(model, MICRO_BATCH, GLOBAL_BATCH, **dict(parallel, cp_comm=parallel.get("cp_comm", "a2a")))
+        cfg.data.mock = True
+        world = cfg.parallel.tp * cfg.parallel.cp
+        with pytest.raises(ConfigError) as problem:
+            validate_config(cfg, world_size=world, check_paths=False)
+        return str(problem.value)
+    assert "4 must divide them" in refused(replace(LLAMA_16, num_attention_heads=6, num_query_groups=6,
+                                                    kv_channels=4), cp=4)
+    assert "model.num_query_groups = 3" in refused(replace(LLAMA_16, num_attention_heads=12, num_query_groups=3,
+                                                           kv_channels=4), cp=4)
+    assert "parallel.cp_a2a_size = None" in refused(LLAMA_16, cp=2, cp_comm="a2a+ring")
+    assert "parallel.cp_a2a_size = 4" in refused(LLAMA_16, cp=4, cp_comm="a2a+ring", cp_a2a_size=4)
+    assert "a2a+ring only" in refused(LLAMA_16, cp=4, cp_a2a_size=2)
+    assert "model.seq_length = 16" in refused(replace(LLAMA_16, num_attention_heads=12, num_query_groups=12,
+                                                      kv_channels=4), cp=3)
