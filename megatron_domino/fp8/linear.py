@@ -37,9 +37,14 @@ class Fp8Backward:
         self.grad_output, self.x, self.weight, self.scaling, self.scales = grad_output, x, weight, scaling, scales
         self.grad = grad_output.reshape(-1, grad_output.shape[-1])
         self.grad_scale = scaling.grad_scale(self.grad)
+        self.operands = None  # (g, W^T) quantised, once
 
     def input_grad(self, columns=slice(None)) -> torch.Tensor:
-        out = self.scaling.input_grad(self.grad, self.weight, self.scales, self.grad_scale, columns)
+        """dx[..., columns]; the operands are quantised at the first call and shared by every column piece."""
+        if self.operands is None:
+            self.operands = self.scaling.input_grad_operands(self.grad, self.weight, self.scales, self.grad_scale)
+        grad, weight_t = self.operands
+        out = scaled_mm(grad, weight_t.rows(columns), self.grad.dtype)
         return out.view(*self.grad_output.shape[:-1], out.shape[-1])
 
     def weight_grad(self) -> torch.Tensor:

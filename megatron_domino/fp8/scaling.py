@@ -129,13 +129,12 @@ class LinearScaling:
     def grad_scale(self, g2d) -> torch.Tensor | None:
         return None if self.recipe.kind == "blockwise" else self.scale(g2d, GRAD)
 
-    def input_grad(self, g2d, weight, scales, gscale, columns=slice(None)) -> torch.Tensor:
-        """dx[:, columns] = g W[:, columns]: g along the output features, W^T's rows are W's columns."""
-        if self.recipe.kind == "blockwise":  # the operands are quantised from transposed views, in one pass
-            wt = self._tiles(weight.t(), WEIGHT, self.recipe.block)
-            return scaled_mm(self._tiles(g2d, GRAD), wt.rows(columns), g2d.dtype)
-        wt = self._tensorwise(weight.t()[columns], WEIGHT, scales[1])
-        return scaled_mm(self._tensorwise(g2d, GRAD, gscale), wt, g2d.dtype)
+    def input_grad_operands(self, g2d, weight, scales, gscale) -> tuple[Quantized, Quantized]:
+        """(g along the output features, W^T) for dx = g W, each quantised once per backward (Domino's column
+        pieces take rows of W^T); quantised from the transposed view in one pass."""
+        if self.recipe.kind == "blockwise":
+            return self._tiles(g2d, GRAD), self._tiles(weight.t(), WEIGHT, self.recipe.block)
+        return self._tensorwise(g2d, GRAD, gscale), self._tensorwise(weight.t(), WEIGHT, scales[1])
 
     def weight_grad(self, g2d, x2d, scales, gscale) -> torch.Tensor:
         """dW = g^T x, contracted over the tokens (blockwise: tiles of B tokens)."""
