@@ -19,6 +19,7 @@ from .config.checks import Checks
 from .config.errors import ConfigError
 from .config.loader import config_from_dict, config_to_dict
 from .config.schema import Config
+from .config.validate_data import check_data
 from .config.validate_moe import check_moe
 from .domino.plan import check_domino
 from .models.attention import check_attention_split
@@ -52,7 +53,7 @@ def validate_config(cfg: Config, world_size: int | None = None, check_paths: boo
         check_schedule(c, p.pp, p.virtual_pp, micro_batches, p.pipeline_schedule)
     check_moe(c, cfg)
     rules.check_optimizer(c, cfg)
-    rules.check_data(c, cfg, check_paths)
+    check_data(c, cfg, check_paths)
     rules.check_files(c, cfg, check_paths)
     rules.check_operations(c, cfg)
     if c.problems:

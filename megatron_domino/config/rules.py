@@ -1,4 +1,4 @@
-"""The rules of the config's own sections (model, train, optimizer, data, files, operations).
+"""The rules of the config's own sections (model, train, optimizer, files, operations; data: ``validate_data.py``).
 
 The rules of the parts that live elsewhere sit next to them (the rank grid in ``parallel/topology.py``, the
 pipeline split and schedule in ``pipeline/``, Domino in ``domino/plan.py``); ``megatron_domino.validation``
@@ -7,11 +7,8 @@ gathers them all. Nothing here touches torch.distributed.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from .checks import Checks
-from .data_path import parse_data_path
-from .errors import ConfigError
 from .validate_attention import check_attention
 from .validate_compile import check_compile
 from .validate_fp8 import check_fp8
@@ -39,13 +36,6 @@ from .schema import (
 # Files a tokenizer type cannot work without.
 TOKENIZER_FILES = {"GPT2BPETokenizer": ("vocab_file", "merge_file"), "SentencePieceTokenizer": ("model",),
                    "HuggingFaceTokenizer": ("model",), "NullTokenizer": ()}
-
-def _is_number(text: Any) -> bool:
-    try:
-        float(text)
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 def check_model(c: Checks, cfg: Config, device_type: str | None) -> None:
@@ -221,32 +211,6 @@ def _check_zero3(c: Checks, o) -> None:
         c.fail("optimizer.prefetch_depth", o.prefetch_depth, f"must be an integer in [0, {MAX_PREFETCH_DEPTH}]: "
                "each prefetched layer keeps its whole weights on the device", "use 1 (the next layer's gather in "
                "flight while one computes) or 0 (gather on use)")
-
-
-def check_data(c: Checks, cfg: Config, check_paths: bool) -> None:
-    d = cfg.data
-    c.positive("data.index_build_timeout_s", d.index_build_timeout_s)
-    c.positive("data.mock_document_tokens", d.mock_document_tokens)
-    if d.path is None and not d.mock:
-        c.fail("data.path", None, "no data: data.path is unset and data.mock is false",
-               "set data.path=[PREFIX] (PREFIX.bin/.idx from tools/preprocess_data.py) or data.mock=true")
-    parts = d.split.replace("/", ",").split(",")
-    if len(parts) > 3 or not all(_is_number(x) and float(x) >= 0 for x in parts) or sum(map(float, parts)) <= 0:
-        c.fail("data.split", d.split, "must be up to three non-negative train,valid,test weights with a positive sum",
-               "write e.g. data.split='949,50,1'")
-    if d.path is None:
-        return
-    try:
-        prefixes = parse_data_path(d.path).prefixes
-    except ConfigError as err:
-        c.problems.extend(err.problems)
-        return
-    if check_paths and not d.mock:
-        for prefix in prefixes:
-            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
-            if missing:
-                c.fail("data.path", prefix, f"{' and '.join(prefix + e for e in missing)} not found",
-                       "run tools/preprocess_data.py to make it, or correct the prefix (no .bin/.idx suffix)")
 
 
 def check_files(c: Checks, cfg: Config, check_paths: bool) -> None:

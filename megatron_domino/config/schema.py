@@ -149,6 +149,8 @@ class DataConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    balance_attention: bool = False  # arrange each step's samples so micro-batches and CP ranks share attention evenly
+    balance_tolerance: float = 0.02  # stop arranging once the busiest (micro-batch, CP rank) is this close to the mean
     mock: bool = False  # synthetic tokens, for tests and benchmarks only
     mock_document_tokens: int = 32  # mock data: an EOD at about one position in this many (the mean document)
     index_build_timeout_s: float = 3600.0  # budget of index building (the watchdog's limit; others wait this long)

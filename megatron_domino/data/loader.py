@@ -2,7 +2,8 @@
 
 The next global batch is samples ``[c, c + G)`` of the dataset, c being the samples consumed so far (so
 global batch g is ``[g*G, (g+1)*G)`` while G stays fixed, and a run may resume with another G). DP rank r
-takes the contiguous block ``[c + r*G/dp, c + (r+1)*G/dp)`` and splits it into micro-batches in order.
+takes the contiguous block ``[c + r*G/dp, c + (r+1)*G/dp)`` and splits it into micro-batches in order (or, with
+``data.balance_attention``, in the order ``attention_balance`` arranges).
 Concatenating the ranks' blocks therefore gives the same global batch for any dp, and the position in
 the data is one number (the samples consumed) that a checkpoint can store and any layout can resume from.
 
@@ -26,7 +27,7 @@ class MicroBatchLoader:
     """Micro-batches of this DP rank for successive global batches."""
 
     def __init__(self, dataset, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 consumed_samples: int = 0):
+                 consumed_samples: int = 0, arrange=None):
         per_step = micro_batch_size * dp_size
         if micro_batch_size <= 0 or dp_size <= 0 or global_batch_size <= 0 or global_batch_size % per_step:
             raise ValueError(f"train.global_batch_size={global_batch_size} must be a positive multiple of "
@@ -41,6 +42,7 @@ class MicroBatchLoader:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self._consumed = int(consumed_samples)
         self._warned_wrap = False
+        self.arrange = arrange  # samples -> their order, micro-batch after micro-batch (``attention_balance``)
 
     @property
     def consumed_samples(self) -> int:
@@ -61,6 +63,8 @@ class MicroBatchLoader:
         """This rank's micro-batches of the next global batch (dicts of tensors stacked on a new dim 0)."""
         ids = self.rank_sample_ids()
         samples = [self.dataset[i] for i in ids]
+        if self.arrange is not None:
+            samples = [samples[i] for i in self.arrange(samples)]
         self._consumed += self.global_batch_size
         m = self.micro_batch_size
         return [collate(samples[k:k + m]) for k in range(0, len(samples), m)]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..data import MicroBatchLoader, build_train_valid_test_datasets
+from ..data.attention_balance import AttentionBalancer
 from ..models.mtp import with_mtp_targets
 from ..models.ring_attention import split_for_context_parallel
 from ..parallel.store_barrier import Phase
@@ -25,10 +26,14 @@ class DataFeed:
                 cfg, (train.steps * train.global_batch_size, evaluations * eval_samples, 0),
                 build_on_this_rank=state.rank == 0, barrier=lambda: phase.barrier("indices cached"))
         reads = engine.needs_tokens or engine.holds_loss or data.reset_position_ids or data.reset_attention_mask
-        make = lambda ds: (MicroBatchLoader(ds, train.global_batch_size, train.micro_batch_size,  # noqa: E731
-                                            state.dp_rank, state.dp_size)
-                           if ds is not None and reads else None)
-        self.train_loader, self.valid_loader = make(train_ds), make(valid_ds)
+        par = cfg.parallel
+        self.balancer = (AttentionBalancer(train.micro_batch_size, data.balance_tolerance, par.cp, par.cp_comm,
+                                           par.cp_a2a_size or 1) if data.balance_attention and reads else None)
+        make = lambda ds, arrange=None: (MicroBatchLoader(ds, train.global_batch_size,  # noqa: E731
+                                                          train.micro_batch_size, state.dp_rank, state.dp_size,
+                                                          arrange=arrange)
+                                         if ds is not None and reads else None)
+        self.train_loader, self.valid_loader = make(train_ds, self.balancer), make(valid_ds)
         self.has_validation = valid_ds is not None
 
     def resume(self, consumed_samples: int) -> None:

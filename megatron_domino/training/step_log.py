@@ -52,6 +52,8 @@ class StepLog:
             record["loss_scale"] = trainer.optimizer.loss_scale
         if result.get("mtp_loss") is not None:  # multi-token prediction's loss per depth, logged on its own
             record["mtp_loss"] = result["mtp_loss"].item()
+        if trainer.data.balancer is not None:  # balanced packing: the window's imbalance before and after
+            record.update(trainer.data.balancer.take())
         if cfg.model.num_experts:
             record.update(moe_metrics(trainer.chunks, cfg.model, trainer.device))
         if cfg.log.timers:

@@ -79,7 +79,7 @@ class Trainer:
                                      on_backward=self.optimizer.begin_backward)
         self.step, self.phase = 0, "start-up"
         self.watchdog = Watchdog(self.state, par.timeout_s, self.describe)
-        writer = self.engine.holds_loss and self.state.tp_rank == 0 and self.state.dp_rank == 0
+        writer = self.engine.holds_loss and self.state.tp_rank == self.state.dp_rank == self.state.cp_rank == 0
         self.metrics, self.timers, self.profile, self.oom, self.stragglers = build_instruments(
             cfg, self.state, self.device, writer)
         self.guard = (BadStepGuard(train.on_bad_step, train.spike_factor, train.spike_window, self.state.rank,
