@@ -1,9 +1,10 @@
 """Ulysses context parallelism (``parallel.cp_comm: a2a``, models/ulysses.py) trains like one process: 6 SGD steps
 (fp32, 1e-5) at cp 4 (GPT; Llama with packed documents; grouped-query K/V with fewer groups than ranks, repeated),
 cp 2 x dp 2 with ZeRO-2 (documents), MoE at cp 2 x dp 2, tp 2 x cp 2 with Domino and SP, cp 2 x pp 2 interleaved
-with full recompute, and tp 2 x cp 2 x pp 2 with Domino (8 ranks). So does ``a2a+ring`` (all-to-all groups of 2,
-a ring of 2 across them): GPT, Llama with documents, few K/V groups, MoE, and tp 2 x cp 4 with Domino and SP
-(8 ranks). The all-to-all's exchange is checked element by element; bad layouts are refused."""
+with full recompute, MLA at cp 2 x dp 2 with documents, and tp 2 x cp 2 x pp 2 with Domino (8 ranks). So does
+``a2a+ring`` (all-to-all groups of 2, a ring of 2 across them): GPT, Llama with documents, few K/V groups, MoE, MLA,
+and tp 2 x cp 4 with Domino and SP (8 ranks). The all-to-all's exchange is checked element by element, and the
+head slices' pipeline (exact, and in the order that overlaps); bad layouts are refused."""
 from dataclasses import replace
 
 import pytest
@@ -11,10 +12,12 @@ import torch
 
 from megatron_domino.config import ConfigError
 from megatron_domino.models.ring_attention import local_positions
-from megatron_domino.models.ulysses import Ulysses, to_heads, to_sequence
+from megatron_domino.models import ulysses as ulysses_module
+from megatron_domino.models.ulysses import Ulysses, head_slices, to_heads, to_sequence, ulysses_attention
 from megatron_domino.validation import validate_config
 from tests.harness import run_ranks
 from tests.test_context_parallel import LLAMA_16, MIXTURE, _check_all, _layout
+from tests.test_mla import MLA
 from tests.test_mtp import _with
 from tests.parity import layout_config
 from tests.test_pipeline import GLOBAL_BATCH, GPT, MICRO_BATCH
@@ -56,7 +59,8 @@ def test_a2a_at_cp4_cp2_dp2_moe_and_with_tp_domino_train_like_one_process():
                    a2a(_layout(GPT, cp=2, dp=2, zero_stage=2, documents=True)),
                    a2a(_layout(MIXTURE, cp=2, dp=2, documents=True)),
                    a2a(_layout(LLAMA_16, cp=2, tp=2, domino=True, sequence_parallel=True)),
-                   a2a(_layout(replace(LLAMA_16, recompute="full"), cp=2, pp=2, virtual_pp=2))])
+                   a2a(_layout(replace(LLAMA_16, recompute="full"), cp=2, pp=2, virtual_pp=2)),
+                   a2a(_layout(MLA, cp=2, dp=2, documents=True))])  # latent attention, 2 head slices pipelined
 
 
 @pytest.mark.slow
@@ -74,7 +78,97 @@ def test_a2a_inside_groups_and_a_ring_across_them_trains_like_one_process():
     """cp 4 = all-to-all groups of 2 x a ring of 2: GPT, Llama with documents, 2 K/V groups (one per group member),
     and MoE at cp 4 (dp 1)."""
     _check_all(4, [hybrid(_layout(GPT, cp=4)), hybrid(_layout(LLAMA_16, cp=4, documents=True)),
-                   hybrid(_layout(FEW_GROUPS, cp=4)), hybrid(_layout(MIXTURE, cp=4, documents=True))])
+                   hybrid(_layout(FEW_GROUPS, cp=4)), hybrid(_layout(MIXTURE, cp=4, documents=True)),
+                   hybrid(_layout(MLA, cp=4, documents=True))])
+
+
+class _Log:
+    """Every exchange started and waited for (by number), and where each slice's attention ran."""
+
+    def __init__(self):
+        self.events, self.started = [], 0
+
+    def start(self, real):
+        def logged(blocks, group):
+            number, self.started = self.started, self.started + 1
+            self.events.append(("start", number))
+            out, work, sent = real(blocks, group)
+            return out, _LoggedWork(work, number, self.events), sent
+        return logged
+
+    def index(self, event):
+        return self.events.index(event)
+
+
+class _LoggedWork:
+    def __init__(self, work, number, events):
+        self.work, self.number, self.events = work, number, events
+
+    def wait(self):
+        self.events.append(("wait", self.number))
+        return self.work.wait()
+
+
+class _Mark(torch.autograd.Function):
+    """Identity; logs when slice ``i``'s attention has run (forward) and when its backward is about to run."""
+
+    @staticmethod
+    def forward(ctx, x, log, i):
+        ctx.log, ctx.i = log, i
+        log.events.append(("attention", i))
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.events.append(("attention backward", ctx.i))
+        return grad, None, None
+
+
+def _pipelined(rank, world_size):
+    """Two head slices over 2 ranks: the output and every gradient equal attention over the whole sequence (and
+    the unpipelined exchange); slice 1's all-to-alls are in flight during slice 0's attention, slice 0's output
+    during slice 1's, and backward the same the other way."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    group, seq, heads, d = dist.new_group(list(range(world_size))), 16, 4, 8
+    torch.manual_seed(0)
+    whole = [torch.randn(2, heads, seq, d, dtype=torch.float64) for _ in range(3)]
+    mine = local_positions(seq, world_size, rank)
+    reference = [x.clone().requires_grad_() for x in whole]
+    expected = F.scaled_dot_product_attention(*reference, is_causal=True)
+    expected.backward(torch.ones_like(expected))
+    results = {}
+    for slices in (1, 2):
+        ulysses = Ulysses(group, world_size, world_size, slices=slices)
+        assert head_slices(heads, heads, ulysses) == slices and head_slices(heads, 2, ulysses) == 1
+        log, real = _Log(), ulysses_module._start
+        ulysses_module._start = log.start(real)
+        try:
+            local = [x.index_select(2, mine).clone().requires_grad_() for x in whole]
+            calls = iter(range(slices))
+            core = lambda q, k, v: _Mark.apply(F.scaled_dot_product_attention(q, k, v, is_causal=True),  # noqa: E731
+                                               log, next(calls))
+            out = ulysses_attention(*local, ulysses, core)
+            out.backward(torch.ones_like(out))
+        finally:
+            ulysses_module._start = real
+        torch.testing.assert_close(out, expected.detach().index_select(2, mine), rtol=1e-12, atol=1e-12)
+        for x, ref in zip(local, reference):
+            torch.testing.assert_close(x.grad, ref.grad.index_select(2, mine), rtol=1e-12, atol=1e-12)
+        results[slices] = log
+    log = results[2]  # forward: 0-2 slice 0's Q K V, 3-5 slice 1's, 6 slice 0's output, 7 slice 1's
+    assert log.index(("start", 5)) < log.index(("attention", 0)) < log.index(("wait", 3))
+    assert log.index(("start", 6)) < log.index(("attention", 1)) < log.index(("wait", 6))
+    # backward: 8, 9 the outputs' gradients (slice 1's, then 0's); 10-12 slice 1's dQ dK dV, 13-15 slice 0's
+    assert log.index(("start", 9)) < log.index(("attention backward", 1)) < log.index(("wait", 9))
+    assert log.index(("start", 12)) < log.index(("attention backward", 0)) < log.index(("wait", 10))
+    assert log.started == 16 and results[1].started == 8
+    return True
+
+
+@pytest.mark.slow
+def test_head_slices_pipeline_the_all_to_alls_behind_attention_and_stay_exact():
+    assert all(run_ranks(_pipelined, 2, timeout=120))
 
 
 @pytest.mark.quick
@@ -102,5 +196,6 @@ def test_bad_a2a_layouts_are_refused_before_init():
     assert "parallel.cp_a2a_size = None" in refused(LLAMA_16, cp=2, cp_comm="a2a+ring")
     assert "parallel.cp_a2a_size = 4" in refused(LLAMA_16, cp=4, cp_comm="a2a+ring", cp_a2a_size=4)
     assert "a2a+ring only" in refused(LLAMA_16, cp=4, cp_a2a_size=2)
+    assert "parallel.cp_a2a_slices = 0" in refused(LLAMA_16, cp=2, cp_a2a_slices=0)
     assert "model.seq_length = 16" in refused(replace(LLAMA_16, num_attention_heads=12, num_query_groups=12,
                                                       kv_channels=4), cp=3)

@@ -42,6 +42,7 @@ class ParallelConfig:
     cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention); Megatron's context_parallel_size
     cp_comm: str = "ring"  # CP_COMMS: K/V blocks around a ring, or all-to-alls over the heads (Ulysses)
     cp_a2a_size: Optional[int] = None  # a2a+ring: CP ranks per all-to-all group (inside a node); rings join the groups
+    cp_a2a_slices: int = 2  # a2a: head slices pipelined, one's all-to-alls in flight while another attends; 1: none
     virtual_pp: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     order: str = "tp-cp-dp-pp"  # a permutation of AXES, innermost axis first
     sequence_parallel: bool = False

@@ -14,6 +14,9 @@ def check_context_parallel(c, cfg: Config) -> None:
                   f"2 * parallel.cp = {2 * p.cp} (each CP rank holds two equal chunks, for causal load balance)",
                   f"use a sequence length that is a multiple of {2 * p.cp}, or another parallel.cp")
     c.one_of("parallel.cp_comm", p.cp_comm, CP_COMMS)
+    if not isinstance(p.cp_a2a_slices, int) or p.cp_a2a_slices < 1:
+        c.fail("parallel.cp_a2a_slices", p.cp_a2a_slices, "must be a whole number of head slices, at least 1",
+               "use 2 (one slice's all-to-alls in flight while the other attends) or 1 (no pipelining)")
     if p.cp_comm == "a2a":
         _check_a2a(c, cfg, p.cp, "cp")
     elif p.cp_comm == "a2a+ring":

@@ -65,7 +65,7 @@ def context_parallel_attention(ctx: LayerContext) -> tuple[Ring | None, Ulysses 
     if ctx.cp_comm == "ring":
         return Ring(ctx.cp_group, ctx.cp_rank, ctx.cp_size), None
     if ctx.cp_comm == "a2a":
-        return None, Ulysses(ctx.cp_group, ctx.cp_size, ctx.cp_size)
+        return None, Ulysses(ctx.cp_group, ctx.cp_size, ctx.cp_size, slices=ctx.cp_a2a_slices)
     size, (ring_rank, _) = ctx.cp_a2a, divmod(ctx.cp_rank, ctx.cp_a2a)
     return (Ring(ctx.cp_ring_group, ring_rank, ctx.cp_size // size),
             Ulysses(ctx.cp_a2a_group, size, ctx.cp_size, first=ring_rank * size, layout=size))

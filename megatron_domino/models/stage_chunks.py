@@ -22,7 +22,8 @@ def build_chunks(cfg, state, places, *, dtype=torch.float32, device=None, init_s
     ``rng``: the run's ``RNGTracker``, which every chunk's dropout (and its recompute) draws from."""
     par = cfg.parallel
     ctx = LayerContext(state.tp_group, par.sequence_parallel, dtype=dtype, device=device, cp_group=state.cp_group,
-                       cp_comm=par.cp_comm, cp_a2a_group=state.cp_a2a_group, cp_ring_group=state.cp_ring_group,
+                       cp_comm=par.cp_comm, cp_a2a_slices=par.cp_a2a_slices, cp_a2a_group=state.cp_a2a_group,
+                       cp_ring_group=state.cp_ring_group,
                        ep_group=state.expert_group, experts_split=state.topology.expert_tp == state.tp_size, rng=rng,
                        fp8=Fp8Recipe.from_model(cfg.model))
     plan = DominoPlan.from_config(par)

@@ -14,9 +14,13 @@ chunks of each member's head slice (``attention.context_parallel_attention`` com
 
 Grouped-query K/V with fewer groups than cp ranks are repeated until there are cp of them (a rank's query
 heads then all read their one group); the config requires the groups to divide cp or cp to divide them.
-Every rank issues the same three all-to-alls (Q, K, V) and one back, in the same order: NCCL's rules. A
-recomputed forward (``model.recompute``) repeats them: recompute saves no activation of attention, so the
-exchange is paid twice (4 all-to-alls of this layer's Q, K, V and output per recomputed pass).
+Overlap (``parallel.cp_a2a_slices``, ``ulysses_attention``): the heads are cut into slices run as a pipeline,
+so one slice's all-to-alls fly while another's attention runs, forward and backward. The fused QKV projection
+makes Q, K and V together (its output interleaves them group by group), so Q's exchange cannot start before K's
+and V's projection ends; the slices hide the exchanges behind attention instead, which at long sequences is the
+larger compute. Every rank issues the same all-to-alls (Q, K, V and the output per slice) in the same order:
+NCCL's rules. A recomputed forward (``model.recompute``) repeats them: recompute saves no activation of
+attention, so the exchange is paid twice (4 all-to-alls of this layer's Q, K, V and output per recomputed pass).
 """
 from __future__ import annotations
 
@@ -32,33 +36,71 @@ from .ring_attention import local_positions
 class Ulysses:
     """This rank's all-to-all group and its size; the CP size, the group's first CP rank and the token layout's
     group size (``ring_attention.chunk_starts``'s ``a2a``): a2a uses the whole CP group and the ring's layout (1);
-    a2a+ring a group of consecutive CP ranks, whose tokens together are one ring member's."""
+    a2a+ring a group of consecutive CP ranks, whose tokens together are one ring member's. ``slices``: head
+    slices pipelined (``parallel.cp_a2a_slices``), at most."""
 
     group: object
     size: int
     cp_size: int
     first: int = 0
     layout: int = 1
+    slices: int = 1
 
 
-class _AllToAll(torch.autograd.Function):
-    """[size, ...] -> [size, ...]: block j goes to rank j, block j of the result came from rank j."""
+class PendingExchange:
+    """One all-to-all in flight: forward, ``_Launch`` starts it and ``_Wait`` (``wait``) is where the result is
+    needed; backward, ``_Wait`` starts the gradient's exchange and ``_Launch`` waits for it, so whatever autograd
+    runs between the two (another head slice's attention backward) overlaps it. NCCL: every member issues the
+    exchanges in the same order, forward (program order) and backward (autograd's order, the same graph)."""
+
+    def __init__(self, group):
+        self.group, self.work, self.sent = group, None, None
+        self.grad, self.grad_work, self.grad_sent = None, None, None
+
+    def launch(self, blocks: torch.Tensor) -> torch.Tensor:
+        return _Launch.apply(blocks, self)
+
+    def wait(self, arriving: torch.Tensor) -> torch.Tensor:
+        return _Wait.apply(arriving, self)
+
+
+def _start(blocks: torch.Tensor, group):
+    """(output, work, input kept alive): the input must outlive the transfer on the communication stream."""
+    blocks = blocks.contiguous()  # the collective reads and writes memory in order (empty_like keeps strides)
+    out = torch.empty_like(blocks)
+    return out, dist.all_to_all_single(out, blocks, group=group, async_op=True), blocks
+
+
+class _Launch(torch.autograd.Function):
+    """[size, ...] -> [size, ...] (block j to rank j, block j of the result from rank j), still arriving."""
 
     @staticmethod
-    def forward(ctx, blocks: torch.Tensor, group):
-        ctx.group = group
-        return _exchange(blocks, group)
+    def forward(ctx, blocks, pending: PendingExchange):
+        ctx.pending = pending
+        out, pending.work, pending.sent = _start(blocks, pending.group)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        return _exchange(grad, ctx.group), None
+        pending = ctx.pending
+        pending.grad_work.wait()
+        arrived, pending.grad, pending.grad_work, pending.grad_sent = pending.grad, None, None, None
+        return arrived, None
 
 
-def _exchange(blocks: torch.Tensor, group) -> torch.Tensor:
-    blocks = blocks.contiguous()  # the collective reads and writes memory in order (empty_like keeps strides)
-    out = torch.empty_like(blocks)
-    dist.all_to_all_single(out, blocks, group=group)
-    return out
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, arriving, pending: PendingExchange):
+        ctx.pending = pending
+        pending.work.wait()
+        pending.work = pending.sent = None
+        return arriving.view_as(arriving)
+
+    @staticmethod
+    def backward(ctx, grad):
+        pending = ctx.pending
+        pending.grad, pending.grad_work, pending.grad_sent = _start(grad, pending.group)
+        return pending.grad, None
 
 
 def _members_order(ulysses: Ulysses, local: int, device) -> torch.Tensor:
@@ -68,35 +110,72 @@ def _members_order(ulysses: Ulysses, local: int, device) -> torch.Tensor:
                       for member in range(ulysses.size)])
 
 
+def _launch_to_heads(x: torch.Tensor, ulysses: Ulysses) -> tuple[PendingExchange, torch.Tensor]:
+    b, heads, local, d = x.shape
+    pending = PendingExchange(ulysses.group)
+    return pending, pending.launch(x.view(b, ulysses.size, heads // ulysses.size, local, d).transpose(0, 1))
+
+
+def _joined(pending: PendingExchange, arriving: torch.Tensor, ulysses: Ulysses) -> torch.Tensor:
+    """Block j (rank j's chunks of my heads) laid out in sequence order: [b, heads / size, size * local, d]."""
+    size, b, heads, local, d = arriving.shape
+    joined = pending.wait(arriving).permute(1, 2, 0, 3, 4).reshape(b, heads, size * local, d)
+    return joined.index_select(2, torch.argsort(_members_order(ulysses, local, arriving.device)))
+
+
+def _launch_to_sequence(y: torch.Tensor, ulysses: Ulysses) -> tuple[PendingExchange, torch.Tensor]:
+    b, heads, whole, d = y.shape
+    size, local = ulysses.size, whole // ulysses.size
+    order = torch.argsort(torch.argsort(_members_order(ulysses, local, y.device)))  # sorted -> members' order
+    blocks = y.index_select(2, order).view(b, heads, size, local, d)
+    pending = PendingExchange(ulysses.group)
+    return pending, pending.launch(blocks.permute(2, 0, 1, 3, 4))  # block j: my chunks of j's heads
+
+
+def _split(pending: PendingExchange, arriving: torch.Tensor) -> torch.Tensor:
+    size, b, heads, local, d = arriving.shape
+    return pending.wait(arriving).permute(1, 0, 2, 3, 4).reshape(b, size * heads, local, d)
+
+
 def to_heads(x: torch.Tensor, ulysses: Ulysses) -> torch.Tensor:
     """[b, heads, s / cp, d] (this rank's chunks, every head) -> [b, heads / size, size · s / cp, d]: the group's
     tokens in sequence order (a2a: the whole sequence; a2a+ring: a ring member's two chunks), this rank's slice
     of the heads."""
-    b, heads, local, d = x.shape
-    size = ulysses.size
-    blocks = x.view(b, size, heads // size, local, d).transpose(0, 1)  # [cp, b, heads / cp, s / cp, d]
-    arrived = _AllToAll.apply(blocks, ulysses.group)  # block j: rank j's chunks of my heads
-    joined = arrived.permute(1, 2, 0, 3, 4).reshape(b, heads // size, size * local, d)
-    return joined.index_select(2, torch.argsort(_members_order(ulysses, local, x.device)))
+    return _joined(*_launch_to_heads(x, ulysses), ulysses)
 
 
 def to_sequence(y: torch.Tensor, ulysses: Ulysses) -> torch.Tensor:
     """The inverse of ``to_heads``: [b, heads / size, size · s / cp, d] -> [b, heads, s / cp, d]."""
-    b, heads, whole, d = y.shape
-    size = ulysses.size
-    local = whole // size
-    order = torch.argsort(torch.argsort(_members_order(ulysses, local, y.device)))  # sorted -> members' order
-    blocks = y.index_select(2, order).view(b, heads, size, local, d)
-    arrived = _AllToAll.apply(blocks.permute(2, 0, 1, 3, 4), ulysses.group)  # block j: my chunks of j's heads
-    return arrived.permute(1, 0, 2, 3, 4).reshape(b, size * heads, local, d)
+    return _split(*_launch_to_sequence(y, ulysses))
+
+
+def head_slices(heads: int, groups: int, ulysses: Ulysses) -> int:
+    """How many head slices to pipeline: the most, up to ``ulysses.slices``, that cut the query heads and the K/V
+    groups alike into whole shares of every group member (one slice when the groups had to be repeated)."""
+    return max(n for n in range(1, ulysses.slices + 1) if heads % (n * ulysses.size) == 0
+               and groups % (n * ulysses.size) == 0)
 
 
 def ulysses_attention(q, k, v, ulysses: Ulysses, core):
     """``core(q, k, v)`` (attention over whole sequences) on this rank's head slice; q [b, heads, s / cp, d],
-    k and v [b, groups, s / cp, d]; returns [b, heads, s / cp, d]."""
+    k and v [b, groups, s / cp, d]; returns [b, heads, s / cp, d].
+
+    The heads are cut into slices (``head_slices``) run as a pipeline: slice i + 1's Q, K and V all-to-alls are in
+    flight while slice i's attention runs, and slice i's output returns during slice i + 1's; backward, the
+    gradients' exchanges overlap the other slice's attention backward the same way. One slice: nothing to overlap
+    with but the exchanges themselves (Q, K and V in flight together)."""
     groups = k.shape[1]
     if groups % ulysses.size:  # fewer groups than ranks: a copy of each for every rank that reads it
         k = k.repeat_interleave(ulysses.size // groups, dim=1)
         v = v.repeat_interleave(ulysses.size // groups, dim=1)
-    out = core(to_heads(q, ulysses), to_heads(k, ulysses), to_heads(v, ulysses))
-    return to_sequence(out, ulysses)
+    n = head_slices(q.shape[1], k.shape[1], ulysses)
+    parts = [x.chunk(n, dim=1) for x in (q, k, v)]
+    launched = [[_launch_to_heads(x[0], ulysses) for x in parts]]
+    returning = []
+    for i in range(n):
+        if i + 1 < n:
+            launched.append([_launch_to_heads(x[i + 1], ulysses) for x in parts])
+        out = core(*(_joined(*exchange, ulysses) for exchange in launched[i]))
+        returning.append(_launch_to_sequence(out, ulysses))
+    outs = [_split(*exchange) for exchange in returning]
+    return outs[0] if n == 1 else torch.cat(outs, dim=1)

@@ -28,6 +28,7 @@ class LayerContext:
     cp_comm: str = "ring"  # how attention spans the CP ranks: "ring", "a2a" (Ulysses, models/ulysses.py), "a2a+ring"
     cp_a2a_group: object = None  # a2a+ring: this rank's all-to-all group (consecutive CP ranks) ...
     cp_ring_group: object = None  # ... and its ring across the groups
+    cp_a2a_slices: int = 1  # a2a: head slices pipelined (``models.ulysses.ulysses_attention``)
     ep_group: object = None  # the ranks sharing the experts out (MoE token exchange); None: one rank
     experts_split: bool = True  # experts split over TP like the MLP; False: whole, shared out over tp x ep
     rng: RNGTracker | None = None  # the run's dropout streams; None: one TP rank's default stream serves
