@@ -57,6 +57,14 @@ def model_overrides(args, run_name: str) -> list[str]:
         f"log.dir={os.path.join(REPO, 'runs', 'benchmarks', run_name)}"]
 
 
+def add_throttled_job_args(parser, name: str) -> None:
+    """A driver's --netem and --json (results/NAME.json), and the flags only its jobs get: --worker, --rate."""
+    parser.add_argument("--netem", default=NETEM, help="path of throttled.sh")
+    parser.add_argument("--json", default=os.path.join(RESULTS, f"{name}.json"), help="where results go")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rate", default="none", help=argparse.SUPPRESS)
+
+
 def load_benchmark_config(overrides: list[str]):
     from megatron_domino.config import load_config
     return load_config(BASE_CONFIG, overrides)

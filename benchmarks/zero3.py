@@ -18,8 +18,8 @@ import argparse
 import os
 import statistics
 
-from common import (MODEL_FLAGS, NETEM, RESULTS, add_model_args, build_trainer, format_table, forward_flags, launch,
-                    load_benchmark_config, model_overrides, read_json, run_harness, write_json)
+from common import (MODEL_FLAGS, RESULTS, add_model_args, add_throttled_job_args, build_trainer, format_table,
+                    forward_flags, launch, load_benchmark_config, model_overrides, read_json, run_harness, write_json)
 from domino import timed_step
 
 MODES = {"zero1": ["optimizer.zero_stage=1"],
@@ -38,10 +38,7 @@ def parse_args(argv=None):
     parser.add_argument("--rates", default="4gbit", help="link rates for throttled.sh; 'none': raw loopback")
     parser.add_argument("--rounds", type=int, default=5, help="timed steps per mode (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per mode first (>= 1)")
-    parser.add_argument("--netem", default=NETEM, help="path of throttled.sh")
-    parser.add_argument("--json", default=os.path.join(RESULTS, "zero3.json"), help="where results go")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--rate", default="none", help=argparse.SUPPRESS)
+    add_throttled_job_args(parser, "zero3")
     return parser.parse_args(argv)
 
 
