@@ -44,8 +44,8 @@ def _validator_accepts(cfg, layout: Layout) -> bool:
     (GPT, 8, ["parallel.domino=true", "train.global_batch_size=24", "model.seq_length=12"]),
 ])
 def test_the_search_keeps_exactly_the_layouts_the_validator_accepts(path, world, overrides):
-    """Every (tp, cp, pp, dp, v, micro batch, TP mode, ZeRO, ep) of ``world`` ranks: the search's candidates are
-    the ones validate_config accepts."""
+    """Every (tp, cp, pp, dp, v, micro batch, TP mode, ZeRO, ep, CP comm) of ``world`` ranks: the search's
+    candidates are the ones validate_config accepts (the CP comm only where cp > 1: at cp 1 it is moot)."""
     cfg = _tiny(path, *overrides)
     found = set(candidate_layouts(cfg, world, only={"recompute": ["none"]}))
     expected = set()
@@ -55,10 +55,12 @@ def test_the_search_keeps_exactly_the_layouts_the_validator_accepts(path, world,
         dp = world // (tp * cp * pp)
         domino = cfg.parallel.domino
         modes = {(False, domino)} | ({(True, False), (True, domino)} if tp > 1 else set())
-        for v, b, (sp, domino), zero, ep in product(range(1, 5), MICRO_BATCHES, modes, ZERO_STAGES, divisors(dp)):
+        comms = [("ring", None)] + ([("a2a", None)] + [("a2a+ring", n) for n in divisors(cp)[1:-1]] if cp > 1 else [])
+        for v, b, (sp, domino), zero, ep, comm in product(range(1, 5), MICRO_BATCHES, modes, ZERO_STAGES,
+                                                          divisors(dp), comms):
             if dp * cp == 1 and zero != cfg.optimizer.zero_stage:
                 continue  # one replica: the ZeRO stage is moot
-            layout = Layout(tp, pp, dp, v, b, "none", zero, sp, domino, cp, ep)
+            layout = Layout(tp, pp, dp, v, b, "none", zero, sp, domino, cp, ep, False, 1, *comm)
             if _validator_accepts(cfg, layout):
                 expected.add(layout)
     assert found == expected, (sorted(found - expected, key=str)[:3], sorted(expected - found, key=str)[:3])

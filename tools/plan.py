@@ -1,14 +1,15 @@
-"""The parallelism planner: every valid (tp, cp, pp, dp, virtual pp, micro batch, recompute, ZeRO) layout for
-a cluster, with its per-GPU memory and step time, ranked fastest first among those that fit.
+"""The parallelism planner: every valid (tp, cp, pp, dp, virtual pp, micro batch, recompute, ZeRO, TP and CP
+communication) layout for a cluster, with its per-GPU memory and step time, ranked fastest first among those that fit.
 
     python tools/plan.py --model gpt3-175b --gpu h100-80gb --nodes 16 --gpus-per-node 8
         [--seq-length 2048] [--global-batch 1536] [--top 10] [--emit] [--tp 8] [--cp 1,2] [--pp 8,16] [--ep 1,4]
+        [--cp-comm ring,a2a,a2a+ring]
         [key=value ...]
 
 --model takes a config file or a size name (gpt3-175b, llama2-70b, tiny-gpt, ... as listed by --help).
 --ep (MoE models only) pins the expert-parallel sizes as --cp pins cp. --emit prints only the best layout,
 as overrides for pretrain_gpt.py / pretrain_llama.py. The assumptions behind the numbers are in
-megatron_domino/planner/{memory,timing,moe}.py.
+megatron_domino/planner/{memory,timing,context_parallel,moe}.py.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 sys.path.insert(0, ROOT)
 
 from megatron_domino.config import ConfigError, load_config  # noqa: E402
+from megatron_domino.config.schema import CP_COMMS  # noqa: E402
 from megatron_domino.models.counters import count_parameters  # noqa: E402
 from megatron_domino.planner.hardware import GPUS, get_gpu  # noqa: E402
 from megatron_domino.planner.report import format_table  # noqa: E402
@@ -59,6 +61,12 @@ def _count(text: str, least: int = 1) -> int:
     return value
 
 
+def _cp_comm(text: str) -> str:
+    if text not in CP_COMMS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(CP_COMMS)}")
+    return text
+
+
 def _list(kind):
     return lambda text: [kind(item) for item in text.split(",")]
 
@@ -80,6 +88,8 @@ def parse_args(argv):
                    help="share of TP communication Domino's row split hides")
     p.add_argument("--domino-column-hidden", type=float, default=TimingAssumptions.domino_column_hidden,
                    help="share the column split hides (what micro batch 1 runs)")
+    p.add_argument("--a2a-hidden", type=float, default=TimingAssumptions.a2a_hidden,
+                   help="share of context parallelism's all-to-alls hidden behind compute")
     p.add_argument("--overhead-gib", type=float, help="fixed per-GPU overhead (default: the GPU's entry)")
     p.add_argument("--tp", type=_list(_count), help="only these tp sizes (comma-separated)")
     p.add_argument("--cp", type=_list(_count), help="only these context-parallel sizes")
@@ -90,13 +100,14 @@ def parse_args(argv):
     p.add_argument("--recompute", type=_list(str), help="only these: none,selective,full")
     p.add_argument("--zero", type=_list(lambda text: _count(text, least=0)), help="only these ZeRO stages")
     p.add_argument("--tp-comm", type=_list(str), help="only these: domino,sp")
+    p.add_argument("--cp-comm", type=_list(_cp_comm), help="only these for cp > 1: ring,a2a,a2a+ring")
     p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     return p.parse_args(argv)
 
 
 def _filters(args) -> dict:
     only = {"tp": args.tp, "cp": args.cp, "pp": args.pp, "ep": args.ep, "virtual_pp": args.vpp, "micro_batch": args.mbs,
-            "recompute": args.recompute, "zero_stage": args.zero}
+            "recompute": args.recompute, "zero_stage": args.zero, "cp_comm": args.cp_comm}
     only = {key: value for key, value in only.items() if value is not None}
     if args.tp_comm is not None:
         only["sequence_parallel"] = {mode == "sp" for mode in args.tp_comm}
@@ -134,7 +145,8 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    assumptions = TimingAssumptions(args.efficiency, args.domino_hidden, args.domino_column_hidden)
+    assumptions = TimingAssumptions(args.efficiency, args.domino_hidden, args.domino_column_hidden,
+                                    a2a_hidden=args.a2a_hidden)
     estimates = rank_layouts(cfg, gpu, args.nodes, args.gpus_per_node, assumptions, _filters(args))
     world = args.nodes * args.gpus_per_node
     if args.ep and not estimates and candidate_layouts(cfg, world, {**_filters(args), "ep": divisors(world)}):

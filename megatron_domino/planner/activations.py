@@ -41,9 +41,8 @@ two norms, the [embedding; hidden] concatenation the projection reads (2e*h/r) a
 Context parallelism (cp > 1) and documents. A rank holds s/cp tokens of each sequence, so every
 per-token term above counts s/cp tokens. Ring attention (``models/ring_attention.py``) runs the same
 flash-style kernels block by block and saves what they save for the local tokens (the K/V blocks received
-from other ranks are sent on, not kept). Its backward peak is transient, beside full recompute's rebuilt
-phase: the fp32 dQ accumulator (4a*d/t), the K/V block in use and the next one (4e*g*d/t), their fp32
-dK/dV, in use and received (16g*d/t), and under GQA the K/V repeated per query head (2e*a*d/t).
+from other ranks are sent on, not kept); the all-to-alls (``models/ulysses.py``) save about the same,
+head-sharded. Their backward peaks are transient, beside full recompute's rebuilt phase (``context_parallel.py``).
 Document masking (``data.reset_attention_mask``) runs one causal kernel call per document on slices of
 the same Q, K and V: its cost is the O(L) offsets, so there is no L^2 term with or without CP.
 """
@@ -143,16 +142,6 @@ def chunk_activation_bytes(cfg: Config, gpu: GPU, layers: int, first: bool, last
         block = layer_activation_bytes(cfg, gpu, moe=model.is_moe_layer(model.num_layers))[0]
         total += head + model.mtp_num_layers * (block + 8 + 2 * _norm_bytes(model, r, gpu) + 2 * e * h / r + head)
     return total
-
-
-def ring_transient_bytes(cfg: Config) -> float:
-    """Bytes per local token that ring attention's backward holds beyond the saved tensors; 0 at cp 1."""
-    if cfg.parallel.cp == 1:
-        return 0.0
-    model, e = cfg.model, weight_bytes(cfg)
-    heads, groups = model.num_attention_heads, model.kv_heads
-    repeated = 2 * e * heads if groups < heads else 0
-    return (4 * heads + 4 * e * groups + 16 * groups + repeated) * model.key_head_dim / cfg.parallel.tp
 
 
 def loss_transient_bytes(cfg: Config) -> float:

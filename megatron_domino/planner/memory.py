@@ -32,8 +32,10 @@ batches (``pipeline.schedules.interleaved_warmup``), each sized by the rank's la
 Transient peaks: when the loss's forward computes its softmax it holds the logits (e), one fp32 copy of
 them (16-bit runs, or the masked copy of padded vocabularies: the masked one replaces the plain fp32 copy,
 which is dropped as it is made) and the shifted logits next to the softmax (the rehearsal measured exactly
-this: ``tools/rehearse.py``); backward temporaries (gradients of one layer's tensors) are not counted. The fixed ``overhead`` (hardware.py) covers the
-CUDA context, NCCL buffers and fragmentation.
+this: ``tools/rehearse.py``); backward temporaries (gradients of one layer's tensors) are not counted. The
+other transient, where larger: attention's context-parallel backward (ring blocks and gradients, all-to-all
+buffers: ``context_parallel.py``) beside full recompute's rebuilt phase. The fixed ``overhead`` (hardware.py)
+covers the CUDA context, NCCL buffers and fragmentation.
 """
 from __future__ import annotations
 
@@ -43,11 +45,10 @@ from functools import cache, wraps
 from ..config.schema import Config
 from ..models.counters import mtp_module_parameters, norm_parameters
 from ..optim.grad_buffer import IN_FLIGHT
-from ..pipeline.program import virtual_stage
-from ..pipeline.schedules import interleaved_warmup, schedule_kind
+from ..pipeline.schedules import chunk_stage, interleaved_warmup, schedule_kind
 from ..pipeline.stages import layer_partition
-from .activations import (chunk_activation_bytes, loss_transient_bytes, recompute_working_bytes,
-                          ring_transient_bytes, weight_bytes)
+from .activations import chunk_activation_bytes, loss_transient_bytes, recompute_working_bytes, weight_bytes
+from .context_parallel import context_parallel_transient_bytes
 from .hardware import GPU
 from .moe import expert_replicas, layer_parameters, whole_experts
 
@@ -82,6 +83,16 @@ class StageMemory:
         return f"{terms} = {self.total / scale:.1f} {unit}{host}"
 
 
+def _model_key(model) -> tuple:
+    """The model section's values as a dictionary key (lists, such as moe_layer_freq, as tuples)."""
+    values = tuple(vars(model).values())
+    try:
+        hash(values)  # the common case, and a search builds tens of thousands of keys
+    except TypeError:
+        return tuple(tuple(v) if isinstance(v, list) else v for v in values)
+    return values
+
+
 def per_model_layout(fn):
     """Memoise ``fn(cfg)``, a function of the model, its pipeline split and tp / ep only: a search asks for the same few
     values thousands of times. Results are shared, so they are tuples."""
@@ -90,8 +101,7 @@ def per_model_layout(fn):
     @wraps(fn)
     def memoised(cfg: Config):
         par = cfg.parallel
-        model = tuple(tuple(v) if isinstance(v, list) else v for v in vars(cfg.model).values())  # moe_layer_freq
-        key = (model, par.tp, par.pp, par.ep, par.expert_tp, par.virtual_pp, par.pipeline_partition,
+        key = (_model_key(cfg.model), par.tp, par.pp, par.ep, par.expert_tp, par.virtual_pp, par.pipeline_partition,
                tuple(par.pipeline_layout or ()))
         if key not in results:
             results[key] = fn(cfg)
@@ -120,7 +130,7 @@ def rank_parameter_split(cfg: Config) -> tuple[tuple[float, float], ...]:
     for rank in range(par.pp):
         dense = experts = 0.0
         for chunk in range(par.virtual_pp):
-            stage = virtual_stage(rank, chunk, par.pp)
+            stage = chunk_stage(par, rank, chunk)
             for i in partition[stage]:
                 dense, experts = dense + layer(i)[0], experts + layer(i)[1]
             if stage == 0:
@@ -208,7 +218,7 @@ def bucket_weights(cfg: Config) -> tuple[tuple[tuple[float, ...], float], ...]:
     block, expert = widest_weights(model, par.tp, whole_experts(par))
     result = []
     for rank in range(par.pp):
-        held = {virtual_stage(rank, chunk, par.pp) for chunk in range(par.virtual_pp)}
+        held = {chunk_stage(par, rank, chunk) for chunk in range(par.virtual_pp)}
         alone = [embedding] * ((0 in held) + (stages - 1 in held and not (model.tie_embeddings and stages == 1)))
         result.append((tuple(sorted(alone + [block] * (1 + IN_FLIGHT), reverse=True)[:1 + IN_FLIGHT]), expert))
     return tuple(result)
@@ -227,7 +237,7 @@ def gather_units(cfg: Config) -> tuple[tuple[tuple[float, ...], ...], ...]:
     layer = cache(lambda i: sum(layer_parameters(model, i, par.tp, par.ep, whole_experts(par))))
     result = []
     for rank, held in enumerate(rank_parameters(cfg)):
-        chunks = [virtual_stage(rank, chunk, par.pp) for chunk in range(par.virtual_pp)]
+        chunks = [chunk_stage(par, rank, chunk) for chunk in range(par.virtual_pp)]
         blocks = [tuple(layer(i) for i in partition[stage]) for stage in chunks]
         head = held - sum(map(sum, blocks)) - first * (0 in chunks) - norm_parameters(model)  # the rest: the head's
         orders = []
@@ -271,18 +281,19 @@ def estimate_stages(cfg: Config, dp: int, gpu: GPU) -> list[StageMemory]:
     partition = stage_layers(cfg)
     stages = par.pp * par.virtual_pp
     tokens = cfg.train.micro_batch_size * cfg.model.seq_length / par.cp  # this rank's part of each sequence
-    attention = ring_transient_bytes(cfg)
+    attention = context_parallel_transient_bytes(cfg)
     if cfg.model.recompute == "full":
         attention += recompute_working_bytes(cfg, gpu)
-    flights = in_flight(cfg, dp)
-    chunk_bytes = cache(lambda layers, first, last: chunk_activation_bytes(
-        cfg, gpu, len(layers), first, last, sum(map(cfg.model.is_moe_layer, layers))))
+    flights, loss = in_flight(cfg, dp), loss_transient_bytes(cfg)
+    # per (blocks, MoE blocks, first, last): stages of a uniform split share one value
+    chunk_bytes = cache(lambda layers, moe, first, last: chunk_activation_bytes(cfg, gpu, layers, first, last, moe))
     result = []
     for rank, (dense, experts) in enumerate(rank_parameter_split(cfg)):
         weights, grads, optimizer, host = static_bytes(cfg, dense + experts, dp, experts, rank)
-        chunks = [virtual_stage(rank, c, par.pp) for c in range(par.virtual_pp)]
-        per_unit = max(chunk_bytes(tuple(partition[s]), s == 0, s == stages - 1) for s in chunks)
-        transient = max(attention, loss_transient_bytes(cfg) if stages - 1 in chunks else 0.0)
+        chunks = [chunk_stage(par, rank, c) for c in range(par.virtual_pp)]
+        per_unit = max(chunk_bytes(len(partition[s]), sum(map(cfg.model.is_moe_layer, partition[s])), s == 0,
+                                   s == stages - 1) for s in chunks)
+        transient = max(attention, loss if stages - 1 in chunks else 0.0)
         result.append(StageMemory(rank, weights, grads, optimizer, flights[rank] * per_unit * tokens,
                                   transient * tokens, gpu.overhead_gib * GIB, flights[rank], host))
     return result

@@ -1,6 +1,7 @@
 """The planner's ranked table, as plain text a person can paste into a note.
 
-MoE models get two more columns, ep and the exposed all-to-all time; a dense model's table has neither."""
+cp-comm says how each layout's context parallelism communicates (``parallel.cp_comm``). MoE models get two
+more columns, ep and the exposed all-to-all time; a dense model's table has neither."""
 from __future__ import annotations
 
 from .memory import GIB
@@ -8,7 +9,8 @@ from .search import Estimate
 
 
 def _header(unit: str, moe: bool) -> str:
-    return (f"   #  tp  cp  pp   dp {'  ep ' if moe else ''}  v mbs recompute zero    tp-comm   | {unit}/GPU = params  "
+    return (f"   #  tp  cp  pp   dp {'  ep ' if moe else ''}  v mbs recompute zero    tp-comm   cp-comm    | "
+            f"{unit}/GPU = params  "
             f"grads  optim    act  other |  step s  bubble  tp-exp  cp-exp {' ep-a2a ' if moe else ''}  pp+dp |   "
             "tokens/s   MFU")
 
@@ -21,7 +23,7 @@ def format_row(index: int, est: Estimate, scale: float = GIB, moe: bool = False)
     a2a = f"{time.ep_exposed:>7.3g} " if moe else ""
     pp_dp = time.pp_comm + time.dp_exposed + time.host_exposed
     return (f"{index:>4} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.dp:>4} {ep}{lay.virtual_pp:>3} {lay.micro_batch:>3} "
-            f"{lay.recompute:<9} {lay.zero_mode:<7} {lay.tp_mode:<9} | {mem.total / scale:>7.1f} = "
+            f"{lay.recompute:<9} {lay.zero_mode:<7} {lay.tp_mode:<9} {lay.cp_mode:<10} | {mem.total / scale:>7.1f} = "
             f"{mem.params / scale:>6.1f} {mem.grads / scale:>6.1f} {mem.optimizer / scale:>6.1f} "
             f"{mem.activations / scale:>6.1f} {other / scale:>6.1f} | {time.total:>7.4g} {time.bubble:>7.3g} "
             f"{time.tp_exposed:>7.3g} {time.cp_exposed:>7.3g} {a2a}{pp_dp:>7.3g} | "
@@ -38,9 +40,10 @@ def format_table(estimates: list[Estimate], shown: list[Estimate], moe: bool = F
     lines += [format_row(i + 1, est, scale, moe) for i, est in enumerate(shown)]
     lines.append(f"{unit}/GPU: the pipeline rank with the most memory; other = transient peaks + fixed overhead. "
                  "tp-comm: domino = TP all-reduces overlapped by Domino, sp = sequence parallel "
-                 "(sp+domino: both), - = no TP. cp-exp: ring attention's K/V transfers not hidden behind "
-                 "attention. zero: the stage, p0 without prefetch, +cpu with the optimizer offloaded; pp+dp includes "
-                 "the host step an offload leaves exposed."
+                 "(sp+domino: both), - = no TP. cp-comm: ring, a2a (all-to-alls over the heads) or a2aN+ring "
+                 "(all-to-alls in groups of N CP ranks, a ring across them). cp-exp: the ring's K/V transfers not "
+                 "hidden behind attention, and the all-to-alls. zero: the stage, p0 without prefetch, +cpu with "
+                 "the optimizer offloaded; pp+dp includes the host step an offload leaves exposed."
                  + (" ep: expert-parallel size; ep-a2a: its token all-to-alls (exposed)." if moe else "")
                  + " Times in seconds per step.")
     return "\n".join(lines)

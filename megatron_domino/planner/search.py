@@ -1,16 +1,16 @@
 """Enumerate every valid layout for a cluster, estimate each, and rank them.
 
 A layout is (tp, cp, pp, dp, virtual pp, micro batch, recompute, ZeRO stage) plus how TP communicates:
-Domino's overlap, sequence parallelism, or both, and for an MoE model the expert-parallel size ep. Two memory
-savers are tried on every layout that does not fit as it is (``with_savers``): the optimizer offloaded to the
-host (ZeRO >= 1) and, at ZeRO-3, no prefetch (one gathered layer fewer), alone and together; a layout that fits
-never gets them (they only cost time). Context-parallel
-sizes are those whose 2*cp chunks split the sequence evenly (ring attention's load balance); ep sizes divide dp and
-the number of experts. ``validate_config`` (without file checks) passes
-one layout of each (tp, cp, pp) and every layout shown or emitted, so the planner never suggests a
-layout the trainer would refuse. Ranking: layouts that fit first, fastest first (ties within 3 significant digits go
-to the one with less memory); then the ones that do not fit, smallest memory first (the nearest
-misses say what to change).
+Domino's overlap, sequence parallelism, or both; how CP does (``parallel.cp_comm``: the ring, the all-to-all, and
+a2a+ring with each all-to-all group size that divides cp, where ``check_context_parallel`` accepts them); and for
+an MoE model the expert-parallel size ep. Two memory savers are tried on every layout that does not fit as it is
+(``with_savers``): the optimizer offloaded to the host (ZeRO >= 1) and, at ZeRO-3, no prefetch (one gathered layer
+fewer), alone and together; a layout that fits never gets them (they only cost time). Context-parallel sizes are
+those whose 2*cp chunks split the sequence evenly (ring attention's load balance); ep sizes divide dp and the
+number of experts. ``validate_config`` (without file checks) passes one layout of each (tp, cp, pp, CP comm) and
+every layout shown or emitted, so the planner never suggests a layout the trainer would refuse. Ranking: layouts
+that fit first, fastest first (ties within 3 significant digits go to the one with less memory); then the ones
+that do not fit, smallest memory first (the nearest misses say what to change).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from typing import Iterable
 from ..config.checks import Checks
 from ..config.errors import ConfigError
 from ..config.rules import check_batch, check_sequence_split
+from ..config.validate_context_parallel import check_context_parallel
 from ..config.validate_moe import check_expert_split
 from ..config.schema import RECOMPUTE, ZERO_STAGES, Config
 from ..pipeline.partition import check_partition
@@ -49,6 +50,8 @@ class Layout:
     ep: int = 1  # expert parallel: data-parallel ranks that share out the experts (MoE models only)
     offload: bool = False  # optimizer.offload=cpu (the config's offload_fraction)
     prefetch_depth: int = 1  # ZeRO-3's layers gathered ahead
+    cp_comm: str = "ring"  # how attention spans the CP ranks (parallel.cp_comm; moot at cp 1)
+    cp_a2a_size: int | None = None  # a2a+ring: CP ranks per all-to-all group
 
     @property
     def zero_mode(self) -> str:
@@ -66,11 +69,19 @@ class Layout:
         return "sp+domino" if self.sequence_parallel and domino else "sp" if self.sequence_parallel else \
             "domino" if domino else "-"
 
+    @property
+    def cp_mode(self) -> str:
+        """'ring', 'a2a' or 'a2a4+ring' (all-to-alls in groups of 4, a ring across them); '-' without CP."""
+        if self.cp == 1:
+            return "-"
+        return f"a2a{self.cp_a2a_size}+ring" if self.cp_comm == "a2a+ring" else self.cp_comm
+
     def overrides(self) -> list[str]:
         """The layout as ``section.key=value`` overrides for the loader and the entry points."""
         flag = lambda v: "true" if v else "false"  # noqa: E731
         return [f"parallel.tp={self.tp}", f"parallel.cp={self.cp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}",
                 f"parallel.ep={self.ep}", f"parallel.virtual_pp={self.virtual_pp}",
+                f"parallel.cp_comm={self.cp_comm}", f"parallel.cp_a2a_size={self.cp_a2a_size or 'null'}",
                 f"parallel.sequence_parallel={flag(self.sequence_parallel)}",
                 f"parallel.domino={flag(self.domino)}", f"train.micro_batch_size={self.micro_batch}",
                 f"model.recompute={self.recompute}", f"optimizer.zero_stage={self.zero_stage}",
@@ -82,7 +93,8 @@ class Layout:
                         model=_updated(cfg.model, recompute=self.recompute),
                         parallel=_updated(cfg.parallel, tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep,
                                           virtual_pp=self.virtual_pp, sequence_parallel=self.sequence_parallel,
-                                          domino=self.domino, pipeline_layout=None),
+                                          domino=self.domino, pipeline_layout=None, cp_comm=self.cp_comm,
+                                          cp_a2a_size=self.cp_a2a_size),
                         train=_updated(cfg.train, micro_batch_size=self.micro_batch),
                         optimizer=_updated(cfg.optimizer, zero_stage=self.zero_stage,
                                            prefetch_depth=self.prefetch_depth, offload="cpu" if self.offload else None))
@@ -122,7 +134,7 @@ def candidate_layouts(cfg: Config, world_size: int, only: dict[str, Iterable] | 
     """Every layout of ``world_size`` GPUs worth estimating; ``only`` restricts fields of Layout.
 
     ``validate_config`` costs milliseconds, too much for each of thousands of layouts, so it runs once per
-    (tp, cp, pp), on the first variant; the rules that tell the variants apart are applied per variant: the
+    (tp, cp, pp, CP comm), on the first variant; the rules that tell the variants apart are applied per variant: the
     pipeline's own (``check_partition`` and ``check_schedule``), the batch's (``check_batch``), sequence
     parallelism's (``check_sequence_split``) and the experts' (``check_expert_split``), each the function
     validate_config calls; and ``first_valid`` validates in full whatever is shown or emitted."""
@@ -135,14 +147,27 @@ def candidate_layouts(cfg: Config, world_size: int, only: dict[str, Iterable] | 
     found = []
     for tp in [t for t in divisors(world_size) if t <= MAX_TP and allowed("tp", t)]:
         for cp in [c for c in divisors(world_size // tp) if (c == 1 or seq % (2 * c) == 0) and allowed("cp", c)]:
-            for pp in [p for p in divisors(world_size // (tp * cp)) if p <= layers and allowed("pp", p)]:
+            for pp, comm in product([p for p in divisors(world_size // (tp * cp)) if p <= layers and allowed("pp", p)],
+                                    _cp_comms(cfg, tp, cp, allowed)):
                 virtual = [v for v in range(1, layers // pp + 1) if _pipeline_fits(cfg, pp, v)]
                 variants = [lay for v in virtual if allowed("virtual_pp", v)
-                            for lay in _variants(cfg, tp, cp, pp, world_size // (tp * cp * pp), v, allowed)]
+                            for lay in _variants(cfg, tp, cp, pp, world_size // (tp * cp * pp), v, allowed, comm)]
                 if variants and is_valid(cfg, replace(variants[0], recompute=cfg.model.recompute,
                                                       zero_stage=cfg.optimizer.zero_stage)):
                     found += variants
     return found
+
+
+def _cp_comms(cfg: Config, tp: int, cp: int, allowed) -> list[tuple[str, int | None]]:
+    """(cp_comm, cp_a2a_size) choices of tp x cp ranks that the context-parallel rules (``check_context_parallel``)
+    pass: the ring, the all-to-all, and a2a+ring with each group size that divides cp; at cp 1, the ring alone (the
+    choice is moot, and kept whatever ``allowed`` says)."""
+    if cp == 1:
+        return [("ring", None)]
+    choices = [("ring", None), ("a2a", None)] + [("a2a+ring", n) for n in divisors(cp) if 1 < n < cp]
+    par = lambda comm, n: _updated(cfg.parallel, tp=tp, cp=cp, cp_comm=comm, cp_a2a_size=n)  # noqa: E731
+    return [(comm, n) for comm, n in choices if allowed("cp_comm", comm) and allowed("cp_a2a_size", n)
+            and _passes(check_context_parallel, _updated(cfg, parallel=par(comm, n)))]
 
 
 def _pipeline_fits(cfg: Config, pp: int, v: int, num_microbatches: int | None = None) -> bool:
@@ -152,8 +177,9 @@ def _pipeline_fits(cfg: Config, pp: int, v: int, num_microbatches: int | None = 
             and _passes(check_schedule, pp, v, num_microbatches, p.pipeline_schedule))
 
 
-def _variants(cfg: Config, tp: int, cp: int, pp: int, dp: int, v: int, allowed) -> list[Layout]:
-    """The micro batch, TP communication, recompute and ZeRO choices of one (tp, cp, pp, dp, virtual pp),
+def _variants(cfg: Config, tp: int, cp: int, pp: int, dp: int, v: int, allowed,
+              comm: tuple[str, int | None] = ("ring", None)) -> list[Layout]:
+    """The micro batch, TP communication, recompute and ZeRO choices of one (tp, cp, pp, dp, virtual pp, CP comm),
     filtered by the rules that tell them apart (each the function ``validate_config`` calls)."""
     batch, seq = cfg.train.global_batch_size, cfg.model.seq_length
     micro = [b for b in MICRO_BATCHES if allowed("micro_batch", b) and _batch_fits(cfg, pp, v, batch, b, dp)]
@@ -166,7 +192,7 @@ def _variants(cfg: Config, tp: int, cp: int, pp: int, dp: int, v: int, allowed) 
         ep == 1 if not cfg.model.num_experts
         else _passes(check_expert_split, cfg.model.num_experts, ep, tp, cfg.parallel.expert_tp))]
     offload, prefetch = bool(cfg.optimizer.offload), cfg.optimizer.prefetch_depth
-    return [Layout(tp, pp, dp, v, b, recompute, zero, sp, domino, cp, ep, offload and zero > 0, prefetch)
+    return [Layout(tp, pp, dp, v, b, recompute, zero, sp, domino, cp, ep, offload and zero > 0, prefetch, *comm)
             for b, (sp, domino), recompute, zero, ep in product(micro, modes, RECOMPUTE, stages, eps)
             if allowed("recompute", recompute)]
 
@@ -207,12 +233,14 @@ def is_valid(cfg: Config, layout: Layout) -> bool:
 
 
 def evaluate(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int,
-             assumptions: TimingAssumptions = TimingAssumptions()) -> Estimate:
+             assumptions: TimingAssumptions = TimingAssumptions(), useful_flops: float | None = None) -> Estimate:
+    """``layout`` estimated; ``useful_flops``: ``model_flops_per_step(cfg)``, the same for every layout of a search."""
     applied = layout.apply(cfg)
     memory = estimate_memory(applied, layout.dp, gpu)
     time = estimate_step_time(applied, layout.dp, gpu, gpus_per_node, assumptions)
     tokens = cfg.train.global_batch_size * cfg.model.seq_length
-    mfu = model_flops_per_step(applied) / (time.total * layout.world_size * gpu.peak_tflops * 1e12)
+    useful = model_flops_per_step(cfg) if useful_flops is None else useful_flops
+    mfu = useful / (time.total * layout.world_size * gpu.peak_tflops * 1e12)
     return Estimate(layout, memory, time, memory.total <= gpu.memory_bytes, tokens / time.total, mfu)
 
 
@@ -221,11 +249,11 @@ def rank_layouts(cfg: Config, gpu: GPU, nodes: int, gpus_per_node: int,
                  only: dict[str, Iterable] | None = None) -> list[Estimate]:
     """All valid layouts for ``nodes`` x ``gpus_per_node`` GPUs, estimated and ranked (see the module docstring)."""
     allowed = lambda key, value: not only or key not in only or value in set(only[key])  # noqa: E731
-    estimates = []
+    estimates, useful = [], model_flops_per_step(cfg)
     for layout in candidate_layouts(cfg, nodes * gpus_per_node, only):
-        estimates.append(evaluate(cfg, layout, gpu, gpus_per_node, assumptions))
+        estimates.append(evaluate(cfg, layout, gpu, gpus_per_node, assumptions, useful))
         if not estimates[-1].fits:
-            estimates += [evaluate(cfg, saver, gpu, gpus_per_node, assumptions) for saver in with_savers(layout)
+            estimates += [evaluate(cfg, saver, gpu, gpus_per_node, assumptions, useful) for saver in with_savers(layout)
                           if allowed("offload", saver.offload) and allowed("prefetch_depth", saver.prefetch_depth)]
     return sorted(_without_equal_zero_stages(estimates), key=_rank_key)
 

@@ -20,20 +20,9 @@ runs at micro batch 1. With sequence parallelism Domino overlaps the reduce-scat
 input-gradient reduce-scatters (backward) but not the all-gathers each phase starts with, so it hides
 half of that share.
 
-Context parallelism (ring attention, as ``models/ring_attention.py`` runs it). Each layer, every rank's
-K/V block (2 * micro batch * s/cp * g/t * d * e bytes: local KV heads, local tokens) travels around the
-cp ring in cp - 1 steps forward; recompute (selective or full) runs the forward ring again. Backward sends
-the K/V blocks around once more, plus their gradients, in fp32 and one hop further (home). A transfer
-goes over NVLink when the cp ring (given parallel.order and gpus_per_node) lies inside one node, else
-over InfiniBand (the slowest hop sets the pace). Overlap assumption: a K/V block is received while the
-previous one is computed, so each of the cp - 1 steps exposes only max(0, transfer - block compute);
-backward, a block's dK/dV hop travels while the next step computes, beside that step's K/V transfer, so
-each of those cp - 1 steps exposes max(0, K/V + dK/dV - block backward); the last hop (home) has
-nothing left to hide behind and is exposed. The load-balanced layout gives every step the same causal work, 2*a*d*s^2/(cp^2 * t)
-FLOPs per sequence forward (the causal half, not the s x s square the FLOP count uses), at
-``efficiency``; backward twice that. Document masking computes less attention (only within
-documents) while sending the same blocks: not modelled, so long documents are assumed. The dp x cp
-gradient reduction is under data parallelism below.
+Context parallelism (``context_parallel.py``): per layer, the ring's K/V transfers that block attention does
+not hide, and the all-to-alls of a2a and a2a+ring (exposed, but for ``a2a_hidden``), each over its group's link
+with a latency per message. The dp x cp gradient reduction is under data parallelism below.
 
 Pipeline. 1F1B's bubble is (pp - 1) / virtual_pp micro-batch times (Narayanan et al. 2021). Each
 micro-batch crosses virtual_pp stage boundaries, receiving its activation forward and its gradient
@@ -69,7 +58,8 @@ from itertools import product
 from ..config.schema import Config
 from ..models.counters import flops_per_token
 from ..parallel.topology import Topology
-from ..pipeline.program import virtual_stage
+from ..pipeline.schedules import chunk_stage
+from .context_parallel import Link, context_parallel_seconds
 from .hardware import GPU
 from .memory import per_model_layout, rank_parameter_split, stage_layers, weight_bytes
 from .moe import all_to_all_seconds, expert_replicas, expert_sharers, one_layer_model
@@ -82,6 +72,9 @@ class TimingAssumptions:
     domino_column_hidden: float = 0.5  # share the column split hides (micro batch 1)
     host_gbps: float = 10.0  # CPU offload: one rank's share of the host memory bandwidth its AdamW streams
     pcie_gbps: float = 25.0  # CPU offload: host <-> device copies per GPU (PCIe 5 x16, achieved)
+    a2a_hidden: float = 0.0  # share of CP's all-to-alls hidden behind attention (0: all exposed, a guess to revisit)
+    nvlink_latency_us: float = 5.0  # start-up of one message inside a node (a guess, context_parallel.py)
+    ib_latency_us: float = 15.0  # ... between nodes (a guess)
 
 
 @dataclass(frozen=True)
@@ -92,8 +85,8 @@ class StepTime:
     bubble: float  # pipeline fill and drain
     tp_exposed: float  # TP communication not hidden
     tp_hidden: float  # TP communication Domino hides (not in total)
-    cp_exposed: float  # ring attention's K/V transfers not hidden behind block attention
-    cp_hidden: float  # ring transfers hidden (not in total)
+    cp_exposed: float  # CP's ring transfers not hidden behind block attention, and its all-to-alls
+    cp_hidden: float  # CP communication hidden (not in total)
     pp_comm: float  # stage-to-stage transfers
     ep_exposed: float  # the MoE token all-to-alls of expert parallelism (never hidden)
     dp_exposed: float  # DP reduction and weight gather not overlapped
@@ -107,12 +100,13 @@ class StepTime:
 
 @lru_cache(maxsize=4096)
 def _inside_one_node(sizes: tuple, order: str, group: tuple[str, ...], gpus_per_node: int) -> bool:
-    """Whether rank 0's group of a tp x cp x pp x dp grid with expert-parallel size ep and expert TP (``sizes``)
-    lies inside one node: the group along the axes ``group`` names, or ``("expert",)`` / ``("expert_dp",)``,
-    Topology's token-exchange and expert-replica groups."""
-    tp, cp, pp, dp, ep, expert_tp = sizes
-    topology = Topology(tp * cp * pp * dp, tp, pp, dp, 1, order, cp=cp, ep=ep, expert_tp=expert_tp)
-    if group in (("expert",), ("expert_dp",)):
+    """Whether rank 0's group of a tp x cp x pp x dp grid with expert-parallel size ep, expert TP and all-to-all
+    groups of cp_a2a CP ranks (``sizes``) lies inside one node: the group along the axes ``group`` names, or one
+    of Topology's named groups: ``("expert",)`` / ``("expert_dp",)`` (token exchange, expert replicas),
+    ``("cp_a2a",)`` / ``("cp_ring",)`` (a2a+ring's all-to-all groups and the rings across them)."""
+    tp, cp, pp, dp, ep, expert_tp, cp_a2a = sizes
+    topology = Topology(tp * cp * pp * dp, tp, pp, dp, 1, order, cp=cp, ep=ep, expert_tp=expert_tp, cp_a2a=cp_a2a)
+    if group in (("expert",), ("expert_dp",), ("cp_a2a",), ("cp_ring",)):
         members = getattr(topology, f"{group[0]}_groups")()[0]  # sorted: the first holds rank 0
     else:
         coordinates = product(*(range(topology.sizes[axis]) for axis in group))
@@ -127,7 +121,7 @@ def _all_reduce(nbytes: float, ranks: int, bandwidth: float) -> float:
 def _rank_layers(cfg: Config, rank: int) -> list[int]:
     """The global layers pipeline rank ``rank`` runs, over its model chunks."""
     partition = stage_layers(cfg)
-    return [i for c in range(cfg.parallel.virtual_pp) for i in partition[virtual_stage(rank, c, cfg.parallel.pp)]]
+    return [i for c in range(cfg.parallel.virtual_pp) for i in partition[chunk_stage(cfg.parallel, rank, c)]]
 
 
 @per_model_layout
@@ -151,7 +145,7 @@ def _rank_flops_per_token(cfg: Config) -> tuple[float, ...]:
     last = par.pp * par.virtual_pp - 1
     totals = []
     for rank in range(par.pp):
-        stages = [virtual_stage(rank, c, par.pp) for c in range(par.virtual_pp)]
+        stages = [chunk_stage(par, rank, c) for c in range(par.virtual_pp)]
         layers = sum(per_layer[model.is_moe_layer(i)] for i in _rank_layers(cfg, rank))
         totals.append(layers + (head if last in stages else 0.0))
     return tuple(totals)
@@ -166,31 +160,23 @@ def _domino_hidden_share(cfg: Config, assumptions: TimingAssumptions) -> float:
     return share / 2 if par.sequence_parallel else share
 
 
-def _ring_attention(cfg: Config, gpu: GPU, bandwidth: float, assumptions: TimingAssumptions) -> tuple[float, float]:
-    """(exposed, hidden) seconds of one layer's ring transfers per micro-batch, forward + backward."""
-    model, par = cfg.model, cfg.parallel
-    if par.cp == 1:
-        return 0.0, 0.0
-    s, b, t, cp, d = model.seq_length, cfg.train.micro_batch_size, par.tp, par.cp, model.key_head_dim
-    elements = 2 * b * s / cp * model.kv_heads / t * d  # K and V of the local tokens
-    kv, grads = elements * weight_bytes(cfg) / bandwidth, elements * 4 / bandwidth  # dK/dV travel in fp32
-    rate = gpu.peak_tflops * 1e12 * assumptions.efficiency
-    block = 2 * model.num_attention_heads * d * s * s / (cp * cp * t) * b / rate  # one step's forward attention
-    forwards = 2 if model.recompute != "none" else 1  # recompute runs the forward ring again
-    exposed = forwards * (cp - 1) * max(0.0, kv - block) + (cp - 1) * max(0.0, kv + grads - 2 * block) + grads
-    return exposed, (forwards + 1) * (cp - 1) * kv + cp * grads - exposed
-
-
 def estimate_step_time(cfg: Config, dp: int, gpu: GPU, gpus_per_node: int,
                        assumptions: TimingAssumptions = TimingAssumptions()) -> StepTime:
     """Seconds per step of the layout in ``cfg`` with data-parallel size ``dp`` (see the module docstring)."""
     model, par, train = cfg.model, cfg.parallel, cfg.train
-    sizes = (par.tp, par.cp, par.pp, dp, par.ep, par.expert_tp)
+    nested = par.cp_comm == "a2a+ring"
+    sizes = (par.tp, par.cp, par.pp, dp, par.ep, par.expert_tp, par.cp_a2a_size if nested else 1)
+
+    def link_of(*group: str) -> Link:
+        """A group's bandwidth (bytes/s) and per-message latency (see ``_inside_one_node``): NVLink's when it lies
+        inside one node, else InfiniBand's."""
+        if _inside_one_node(sizes, par.order, group, gpus_per_node):
+            return Link(1e9 * gpu.intra_node_gbps, 1e-6 * assumptions.nvlink_latency_us)
+        return Link(1e9 * gpu.inter_node_gbps, 1e-6 * assumptions.ib_latency_us)
 
     def link(*group: str) -> float:
-        """Bandwidth (bytes/s) of a group (see ``_inside_one_node``): NVLink when it lies inside one node."""
-        inside = _inside_one_node(sizes, par.order, group, gpus_per_node)
-        return 1e9 * (gpu.intra_node_gbps if inside else gpu.inter_node_gbps)
+        return link_of(*group).bandwidth
+
     e, m = weight_bytes(cfg), train.num_microbatches(dp)
     tokens = train.micro_batch_size * model.seq_length / par.cp  # this rank's part of the micro-batch
     activation = tokens * model.hidden_size * e
@@ -198,7 +184,8 @@ def estimate_step_time(cfg: Config, dp: int, gpu: GPU, gpus_per_node: int,
 
     flops = _rank_flops_per_token(cfg)
     slowest = max(range(par.pp), key=lambda r: flops[r])
-    compute_mb = flops[slowest] * tokens / par.tp / (gpu.peak_tflops * 1e12 * assumptions.efficiency)
+    rate = gpu.peak_tflops * 1e12 * assumptions.efficiency  # achieved FLOP/s
+    compute_mb = flops[slowest] * tokens / par.tp / rate
     layers = _rank_layers(cfg, slowest)
     reductions = 4 + (1 if sp and model.recompute == "full" else 0)
     tp_mb = len(layers) * reductions * _all_reduce(activation, par.tp, link("tp"))
@@ -207,7 +194,9 @@ def estimate_step_time(cfg: Config, dp: int, gpu: GPU, gpus_per_node: int,
     if par.pp > 1:
         transfer = activation / (par.tp if sp else 1) / link("pp")
         pp_mb = 2 * par.virtual_pp * transfer
-    cp_exposed, cp_hidden = (len(layers) * x for x in _ring_attention(cfg, gpu, link("cp"), assumptions))
+    a2a_group, ring_group = (("cp_a2a",), ("cp_ring",)) if nested else (("cp",), ("cp",))
+    cp_exposed, cp_hidden = (len(layers) * x for x in context_parallel_seconds(
+        cfg, rate, link_of(*a2a_group), link_of(*ring_group), assumptions.a2a_hidden))
     ep_mb = 0.0
     if expert_sharers(par) > 1:
         moe_layers = sum(model.is_moe_layer(i) for i in layers)
