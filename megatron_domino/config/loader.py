@@ -23,7 +23,7 @@ import yaml
 
 from ..files import atomic_open
 from .errors import ConfigError, Problem
-from .schema import Config
+from .schema import V_SCHEDULES, Config
 
 _BOOL_TAG = "tag:yaml.org,2002:bool"
 _FLOAT_TAG = "tag:yaml.org,2002:float"
@@ -55,7 +55,8 @@ for _cls in (_Loader, _Dumper):
     _cls.add_implicit_resolver(_FLOAT_TAG, _FLOAT_RE, list("-+0123456789."))
 
 # The schema types these lists as a bare ``list``; their items are checked here.
-_LIST_ITEM_TYPES = {"parallel.pipeline_layout": int, "data.path": str, "model.moe_layer_freq": int}
+_LIST_ITEM_TYPES = {"parallel.pipeline_layout": int, "data.path": str, "model.moe_layer_freq": int,
+                    "eval.sample_prompts": str}
 
 
 def parse_yaml_value(text: str) -> Any:
@@ -171,6 +172,9 @@ def config_from_dict(data: dict) -> Config:
         built[section] = (cls, values)
     if problems:
         raise ConfigError.of(problems)
+    parallel = built.get("parallel", (None, {}))[1]
+    if parallel.get("pipeline_schedule") in V_SCHEDULES and "virtual_pp" not in parallel:
+        parallel["virtual_pp"] = 2  # the V's two chunks per rank, implied (check_schedule refuses another)
     return Config(**{section: cls(**values) for section, (cls, values) in built.items()})
 
 
@@ -244,7 +248,11 @@ def _apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
 
 def load_config(path: str | None, overrides: Iterable[str] = ()) -> Config:
     """Read ``path`` (or start from the defaults when None), apply ``section.key=value`` overrides, check types."""
-    data = _read_file(path, ()) if path is not None else {}
+    return config_with_overrides(_read_file(path, ()) if path is not None else {}, overrides)
+
+
+def config_with_overrides(data: dict, overrides: Iterable[str] = ()) -> Config:
+    """Nested dicts (a file's, or the config a checkpoint saved) with ``section.key=value`` overrides on top."""
     return config_from_dict(_apply_overrides(data, overrides))
 
 

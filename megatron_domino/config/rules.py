@@ -19,6 +19,7 @@ from .schema import (
     ATTENTION_BACKENDS,
     BACKENDS,
     BAD_STEP_ACTIONS,
+    RERUN_VERDICT_ACTIONS,
     FREE_SPACE,
     LR_SCHEDULES,
     MAX_PREFETCH_DEPTH,
@@ -248,6 +249,7 @@ def check_operations(c: Checks, cfg: Config) -> None:
     t, log = cfg.train, cfg.log
     if t.on_bad_step is not None:
         c.one_of("train.on_bad_step", t.on_bad_step, BAD_STEP_ACTIONS)
+        c.one_of("train.on_bad_step_after_rerun", t.on_bad_step_after_rerun, RERUN_VERDICT_ACTIONS)
     if t.spike_factor is not None:
         if not t.spike_factor > 1:
             c.fail("train.spike_factor", t.spike_factor, "must be above 1 (a loss this many times the running "

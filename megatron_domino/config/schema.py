@@ -27,7 +27,8 @@ def full_order(order: str) -> str:
 DOMINO_SPLITS = ("row", "column", "2d")
 DOMINO_OVERLAPS = ("intra", "inter")
 PIPELINE_PARTITIONS = ("uniform", "parameters")
-PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
+V_SCHEDULES = ("zb-v", "dualpipev")  # 2 chunks per rank in V order: imply parallel.virtual_pp 2
 CP_COMMS = ("ring", "a2a", "a2a+ring")  # CP: ring attention (Megatron's p2p), Ulysses all-to-all, both nested
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -52,7 +53,8 @@ class ParallelConfig:
     domino_overlap: str = "inter"  # DOMINO_OVERLAPS
     pipeline_partition: str = "uniform"  # PIPELINE_PARTITIONS
     pipeline_layout: Optional[list] = None  # explicit layers per stage, e.g. [3, 5]
-    # PIPELINE_SCHEDULES; None: interleaved when virtual_pp > 1, else 1f1b. zb-h1: zero-bubble (split backward)
+    # PIPELINE_SCHEDULES; None: interleaved when virtual_pp > 1, else 1f1b. zb-h1: zero-bubble (split backward);
+    # zb-v, dualpipev: V_SCHEDULES (virtual_pp 2 implied when left unset)
     pipeline_schedule: Optional[str] = None
     variable_seq_lengths: bool = False
     backend: str = "auto"  # BACKENDS
@@ -84,9 +86,11 @@ class TrainConfig:
     eval_iters: int = 2
     exit_interval: int = 0  # save and exit cleanly once the step count is a multiple of this (0: off)
     # the bad-step guard (training/guard.py): a non-finite loss or grad norm, or a loss above spike_factor x the
-    # median of the last spike_window steps, is skipped (no update) or stops the run with a checkpoint
+    # median of the last spike_window steps, is skipped (no update), stops the run with a checkpoint, or is run
+    # again on the same data (rerun: not reproduced -> a transient fault, go on; reproduced -> skip or stop)
     on_bad_step: Optional[str] = None  # BAD_STEP_ACTIONS; None: off (no per-step host read)
     spike_factor: Optional[float] = None  # None: no spike check (non-finite values only)
+    on_bad_step_after_rerun: str = "stop"  # rerun reproduced the bad step (the data or the model): skip it or stop
     spike_window: int = 100
 
     def num_microbatches(self, dp: int) -> int:
@@ -97,7 +101,8 @@ class TrainConfig:
         return self.global_batch_size // (self.micro_batch_size * dp)
 
 
-BAD_STEP_ACTIONS = ("skip", "stop")
+BAD_STEP_ACTIONS = ("skip", "stop", "rerun")
+RERUN_VERDICT_ACTIONS = ("skip", "stop")
 WANDB_MODES = ("online", "offline")
 OPTIMIZERS = ("adamw", "sgd")
 FREE_SPACE = ("warn", "fail")
@@ -204,6 +209,16 @@ class LogConfig:
 
 
 @dataclass
+class EvalConfig:
+    """What an evaluation (every ``train.eval_interval`` steps, or ``--eval-only``) measures and shows, beyond the
+    validation split's loss."""
+
+    path: Optional[list] = None  # more validation sets: prefixes or {NAME: prefix or blend}, config/eval_sets.py
+    sample_prompts: list = field(default_factory=list)  # texts whose greedy continuations are printed and logged
+    sample_tokens: int = 32  # tokens generated per sample prompt
+
+
+@dataclass
 class Config:
     """The whole run. Sections mirror the YAML file's top-level keys."""
 
@@ -215,3 +230,4 @@ class Config:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)

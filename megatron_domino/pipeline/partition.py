@@ -143,11 +143,11 @@ def partition_layers(num_layers: int, pp: int, virtual_pp: int = 1, method: str 
     return _counts_to_layers(balanced_counts(costs, stages, extra_first, extra_last))
 
 
-def stage_layers(partition: list[list[int]], pp_rank: int, chunk: int, pp: int) -> list[int]:
-    """Layers of model ``chunk`` on pipeline rank ``pp_rank``."""
+def stage_layers(partition: list[list[int]], pp_rank: int, chunk: int, pp: int, v_shape: bool = False) -> list[int]:
+    """Layers of model ``chunk`` on pipeline rank ``pp_rank`` (``v_shape``: the V schedules' layout)."""
     virtual_pp = len(partition) // pp if pp > 0 else 0
     if virtual_pp < 1 or len(partition) != pp * virtual_pp or not (0 <= pp_rank < pp and 0 <= chunk < virtual_pp):
         raise ValueError(f"pp_rank = {pp_rank}, chunk = {chunk} do not fit a partition of {len(partition)} "
                          f"virtual stages with parallel.pp = {pp}; fix: pass the partition built for this "
                          f"parallel.pp, 0 <= pp_rank < pp and 0 <= chunk < parallel.virtual_pp")
-    return partition[virtual_stage(pp_rank, chunk, pp)]
+    return partition[virtual_stage(pp_rank, chunk, pp, v_shape)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .schedules import KINDS, build_schedule, schedule_for, schedule_kind
+from .schedules import KINDS, build_schedule, schedule_for, schedule_kind, v_shape
 from .simulate import Costs, ScheduleError, simulate
 from .timeline import render_timeline, summarize
 
@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, required=True, help="pipeline ranks (parallel.pp)")
     parser.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
-    parser.add_argument("--virtual", type=int, default=1, help="model chunks per rank (parallel.virtual_pp)")
+    parser.add_argument("--virtual", type=int, default=None,
+                        help="model chunks per rank (parallel.virtual_pp); default 1, 2 for zb-v and dualpipev")
     parser.add_argument("--kind", choices=KINDS, default=None,
                         help="default: none for pp 1, interleaved for virtual > 1, else 1f1b")
     parser.add_argument("--forward-cost", type=float, default=1.0, help="time of one chunk's forward")
@@ -24,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--comm-cost", type=float, default=0.0, help="latency of one p2p transfer")
     parser.add_argument("--ops", action="store_true", help="also print every rank's instruction list")
     args = parser.parse_args(argv)
+    if args.virtual is None:
+        args.virtual = 2 if v_shape(args.kind) else 1
     kind = args.kind or schedule_kind(args.pp, args.virtual)
     try:
         schedule = build_schedule(kind, args.pp, args.microbatches, args.virtual)
@@ -46,7 +49,7 @@ def show_run(parallel, num_microbatches: int) -> int:
 
 def show(kind: str, schedule: list[list], num_microbatches: int, virtual_pp: int, costs: Costs, ops: bool) -> int:
     try:
-        result = simulate(schedule, num_microbatches, virtual_pp, costs)
+        result = simulate(schedule, num_microbatches, virtual_pp, costs, v_shape=v_shape(kind))
     except ScheduleError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

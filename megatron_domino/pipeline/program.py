@@ -12,7 +12,10 @@ write programs in this vocabulary, the simulator proves them, the executor runs 
 from here and nothing here imports them.
 
 Layout: rank ``r`` holds ``virtual_pp`` model chunks; chunk ``c`` is global virtual stage ``c * pp + r``
-(Megatron's interleaved layout). Activations of virtual stage ``s`` go to stage ``s + 1``; gradients flow back.
+(Megatron's interleaved layout), or, for the V schedules (zb-v, dualpipev: ``v_shape``), chunk 0 is stage ``r``
+and chunk 1 stage ``2 pp - 1 - r``, so rank 0 holds the first and the last stage and the turn (stage pp - 1 to
+pp) stays on rank pp - 1: a local handoff, no transfer. Activations of virtual stage ``s`` go to stage
+``s + 1``; gradients flow back. ``Overlapped`` pairs a forward and a backward run as one unit (DualPipeV's F&B).
 """
 from __future__ import annotations
 
@@ -61,9 +64,57 @@ class Instruction:
         return self.label(self.chunk != 0)
 
 
-def virtual_stage(pp_rank: int, chunk: int, pp: int) -> int:
-    """Global virtual stage of ``chunk`` on ``pp_rank`` in the interleaved layout."""
+def virtual_stage(pp_rank: int, chunk: int, pp: int, v_shape: bool = False) -> int:
+    """Global virtual stage of ``chunk`` on ``pp_rank``: the interleaved layout, or the V (2 chunks)."""
+    if v_shape:
+        return pp_rank if chunk == 0 else 2 * pp - 1 - pp_rank
     return chunk * pp + pp_rank
+
+
+def stage_rank(stage: int, pp: int, v_shape: bool = False) -> int:
+    """Pipeline rank holding virtual ``stage`` (the inverse of ``virtual_stage``, chunk aside)."""
+    if v_shape:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+@dataclass(frozen=True)
+class Overlapped:
+    """A forward and a backward of two micro-batches run as one compute unit (DualPipe's "F&B"): each one's
+    communication (its pipeline transfers, Domino's TP all-reduces, MoE all-to-alls) can hide behind the other's
+    compute. The halves stay ordinary instructions, so transfers, structure checks and per-micro-batch state
+    are those of two computes; the receives of both come before the unit, the sends of both after it. An
+    executor may run the halves in sequence (no overlap) and stay correct."""
+
+    forward: Instruction
+    backward: Instruction
+
+    op = "forward_backward"
+    is_compute = True
+
+    def __post_init__(self):
+        if self.forward.op != "forward" or self.backward.op not in BACKWARDS:
+            raise ValueError(f"Overlapped pairs a forward with a backward, got {self.forward.op!r} and "
+                             f"{self.backward.op!r}; fix: Overlapped(Instruction('forward', ...), "
+                             f"Instruction('backward', ...))")
+
+    @property
+    def halves(self) -> tuple[Instruction, Instruction]:
+        return self.forward, self.backward
+
+    def label(self, show_chunk: bool) -> str:
+        """"F5.0&B1.1": both halves."""
+        return f"{self.forward.label(show_chunk)}&{self.backward.label(show_chunk)}"
+
+    def __str__(self) -> str:
+        return self.label(bool(self.forward.chunk or self.backward.chunk))
+
+
+def computes_of(step) -> tuple[Instruction, ...]:
+    """The compute instructions of a program step: itself, an Overlapped's two halves, none for transfers."""
+    if isinstance(step, Overlapped):
+        return step.halves
+    return (step,) if step.is_compute else ()
 
 
 @dataclass(frozen=True)
@@ -83,16 +134,19 @@ class TransferGroup:
         return self.label(any(t.chunk for t in self.transfers))
 
 
-def transfers_of(compute: Instruction, stage: int, num_stages: int) -> tuple[list[Instruction], list[Instruction]]:
-    """(receives it needs, sends it feeds) of a compute instruction on virtual ``stage``."""
+def transfers_of(compute: Instruction, stage: int, num_stages: int,
+                 v_shape: bool = False) -> tuple[list[Instruction], list[Instruction]]:
+    """(receives it needs, sends it feeds) of a compute instruction on virtual ``stage``; in the V the turn
+    (stage num_stages / 2 - 1 to the next) is a local handoff."""
     mb, chunk = compute.microbatch, compute.chunk
+    turn = num_stages // 2 - 1 if v_shape else -1  # the V's stage whose successor sits on the same rank
     if compute.op == "backward_weight":  # weight gradients stay on the rank
         return [], []
     if compute.op == "forward":
-        needs_recv, needs_send = stage > 0, stage < num_stages - 1
+        needs_recv, needs_send = 0 < stage != turn + 1, num_stages - 1 > stage != turn
         recv, send = "recv_forward", "send_forward"
     elif compute.op in BACKWARDS:
-        needs_recv, needs_send = stage < num_stages - 1, stage > 0
+        needs_recv, needs_send = num_stages - 1 > stage != turn, 0 < stage != turn + 1
         recv, send = "recv_backward", "send_backward"
     else:
         raise ValueError(f"transfers_of needs a compute instruction, got {compute.op!r}")
@@ -100,7 +154,8 @@ def transfers_of(compute: Instruction, stage: int, num_stages: int) -> tuple[lis
     return recvs, ([Instruction(send, mb, chunk)] if needs_send else [])
 
 
-def add_transfers(iterations: list[list[Instruction]], rank: int, pp: int, virtual_pp: int) -> list:
+def add_transfers(iterations: list[list[Instruction]], rank: int, pp: int, virtual_pp: int,
+                  v_shape: bool = False) -> list:
     """A rank's program from its computes, grouped in iterations: after each iteration one transfer group
     holds the iteration's sends and the receives the next iteration needs (and the first iteration's
     receives come first). One compute per iteration is 1F1B's pairing; interleaving puts a forward and
@@ -110,7 +165,7 @@ def add_transfers(iterations: list[list[Instruction]], rank: int, pp: int, virtu
     for iteration in iterations:
         recvs, sends = [], []
         for compute in iteration:
-            needed, produced = transfers_of(compute, virtual_stage(rank, compute.chunk, pp), stages)
+            needed, produced = transfers_of(compute, virtual_stage(rank, compute.chunk, pp, v_shape), stages, v_shape)
             recvs += needed
             sends += produced
         if pending_sends or recvs:
@@ -126,8 +181,8 @@ def max_in_flight(program: list) -> int:
     """Most micro-batches holding activations at once: from the F to the B, or to the W of a split backward."""
     alive, peak = 0, 0
     for step in program:
-        if step.is_compute:
-            alive += 1 if step.op == "forward" else -1 if step.op in ("backward", "backward_weight") else 0
+        for inst in computes_of(step):
+            alive += 1 if inst.op == "forward" else -1 if inst.op in ("backward", "backward_weight") else 0
             peak = max(peak, alive)
     return peak
 

@@ -17,9 +17,12 @@ Every rank visits forwards (and, separately, backwards) in the same rank-indepen
 from __future__ import annotations
 
 from ..config.checks import Checks
-from ..config.schema import PIPELINE_SCHEDULES
-from .program import Instruction, add_transfers
+from ..config.errors import ConfigError
+from ..config.schema import PIPELINE_SCHEDULES, V_SCHEDULES
+from .dualpipe_v import dualpipe_v_programs
+from .program import Instruction, add_transfers, virtual_stage
 from .zero_bubble import zb_h1_programs
+from .zero_bubble_v import zb_v_programs
 
 KINDS = ("none",) + PIPELINE_SCHEDULES  # "none": pp 1, gradient accumulation
 
@@ -73,6 +76,42 @@ def schedule_kind(pp: int, virtual_pp: int, requested: str | None = None) -> str
     return "interleaved" if virtual_pp > 1 else "1f1b"
 
 
+def v_shape(kind: str | None) -> bool:
+    """Whether schedule ``kind`` lays its 2 chunks per rank out in a V (``program.virtual_stage``)."""
+    return kind in V_SCHEDULES
+
+
+def chunk_stage(parallel, pp_rank: int, chunk: int) -> int:
+    """Virtual stage of ``chunk`` on ``pp_rank`` under these settings (``cfg.parallel``): the V for zb-v and
+    dualpipev, else the interleaved layout. Every placement of layers on ranks goes through here."""
+    kind = schedule_kind(parallel.pp, parallel.virtual_pp, parallel.pipeline_schedule)
+    return virtual_stage(pp_rank, chunk, parallel.pp, v_shape(kind))
+
+
+def _check_v(c: Checks, kind: str, pp: int, virtual_pp: int, num_microbatches: int | None) -> None:
+    """zb-v and dualpipev: exactly 2 chunks per rank, and enough micro-batches to fill the V."""
+    least = pp if kind == "zb-v" else 2 * pp
+    if virtual_pp != 2:
+        c.fail("parallel.virtual_pp", virtual_pp, f"the {kind} schedule holds exactly 2 model chunks per pipeline "
+               f"rank (a V: rank r holds stages r and 2 * pp - 1 - r)", "leave parallel.virtual_pp unset (2 is "
+               "implied) or set it to 2, or choose another parallel.pipeline_schedule")
+    elif num_microbatches is not None and num_microbatches < least:
+        c.fail("parallel.pipeline_schedule", kind, f"needs at least {'' if kind == 'zb-v' else '2 * '}parallel.pp "
+               f"= {least} micro-batches per step (train.global_batch_size / (train.micro_batch_size * dp)), got "
+               f"{num_microbatches}", f"raise train.global_batch_size to at least {least} * train.micro_batch_size "
+               f"* dp, or use parallel.pipeline_schedule=zb-h1")
+
+
+def refuse_unrunnable(parallel) -> None:
+    """The V schedules exist as data (simulator, ``--print-schedule``) but the executor cannot run them yet: a
+    training run asking for one stops here, before any process group, with what to use instead."""
+    if v_shape(parallel.pipeline_schedule):
+        raise ConfigError("parallel.pipeline_schedule", parallel.pipeline_schedule,
+                          "is simulated and printed (--print-schedule) but not yet run by the pipeline executor "
+                          "(the V placement's local handoff and the paired F&B steps are not executed)",
+                          "train with parallel.pipeline_schedule=zb-h1 or interleaved; --print-schedule shows the V")
+
+
 def check_schedule(c: Checks, pp: int, virtual_pp: int, num_microbatches: int | None = None,
                    requested: str | None = None) -> None:
     """The rules of ``parallel.pipeline_schedule`` (``requested``; None: chosen by ``schedule_kind``) and of
@@ -87,12 +126,14 @@ def check_schedule(c: Checks, pp: int, virtual_pp: int, num_microbatches: int | 
     elif virtual_pp > 1 and pp == 1:
         c.fail("parallel.virtual_pp", virtual_pp, "needs parallel.pp > 1 (interleaving splits pipeline stages), "
                "but parallel.pp = 1", "set parallel.virtual_pp=1 or parallel.pp >= 2")
+    elif v_shape(requested):
+        _check_v(c, requested, pp, virtual_pp, num_microbatches)
     elif requested == "interleaved" and virtual_pp == 1:
         c.fail(key, requested, "needs parallel.virtual_pp > 1, but parallel.virtual_pp = 1",
                "set parallel.virtual_pp >= 2, or parallel.pipeline_schedule=1f1b or zb-h1")
     elif requested in ("1f1b", "zb-h1") and virtual_pp > 1:
         c.fail(key, requested, f"holds one model chunk per pipeline rank, but parallel.virtual_pp = {virtual_pp}",
-               "set parallel.virtual_pp=1, or parallel.pipeline_schedule=interleaved")
+               "set parallel.virtual_pp=1, or parallel.pipeline_schedule=interleaved (or zb-v / dualpipev with 2)")
     elif num_microbatches is not None and virtual_pp > 1 and num_microbatches % pp:
         c.fail("parallel.virtual_pp", virtual_pp, f"the interleaved schedule needs the micro-batches per step "
                f"(train.global_batch_size / (train.micro_batch_size * dp) = {num_microbatches}) to be a multiple "
@@ -139,8 +180,26 @@ def _zero_bubble(pp: int, m: int, virtual_pp: int, forward_only: bool) -> list[l
     return _one_f_one_b(pp, m, virtual_pp, True) if forward_only else zb_h1_programs(pp, m)
 
 
+def _v_forwards(pp: int, m: int) -> list[list]:
+    """The V's forwards alone (evaluation): each rank runs chunk 0's, then chunk 1's, one group per compute."""
+    def order(rank: int) -> list[list[Instruction]]:
+        return [[Instruction("forward", k, c)] for c in (0, 1) for k in range(m)]
+    return [add_transfers(order(rank), rank, pp, 2, v_shape=True) for rank in range(pp)]
+
+
+def _zero_bubble_v(pp: int, m: int, virtual_pp: int, forward_only: bool) -> list[list]:
+    """ZB-V (``zero_bubble_v``)."""
+    return _v_forwards(pp, m) if forward_only else zb_v_programs(pp, m)
+
+
+def _dualpipe_v(pp: int, m: int, virtual_pp: int, forward_only: bool) -> list[list]:
+    """DualPipeV (``dualpipe_v``)."""
+    return _v_forwards(pp, m) if forward_only else dualpipe_v_programs(pp, m)
+
+
 # kind -> builder(pp, micro-batches, virtual_pp, forward_only) -> every rank's program
-BUILDERS = {"none": _one_f_one_b, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zb-h1": _zero_bubble}
+BUILDERS = {"none": _one_f_one_b, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zb-h1": _zero_bubble,
+            "zb-v": _zero_bubble_v, "dualpipev": _dualpipe_v}
 
 
 def build_schedule(kind: str, pp: int, num_microbatches: int, virtual_pp: int = 1,

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
-from .program import BACKWARDS, Instruction, TransferGroup, max_in_flight, run_programs, transfers_of, virtual_stage
+from .program import BACKWARDS, Instruction, TransferGroup, computes_of, max_in_flight, run_programs, stage_rank
+from .program import transfers_of, virtual_stage
 
 Cost = Union[float, Sequence[float]]
 
@@ -89,13 +90,13 @@ def _name(step, virtual_pp: int) -> str:
 
 
 def _flatten(program: list) -> list[Instruction]:
-    return [t for step in program for t in (step.transfers if isinstance(step, TransferGroup) else (step,))]
+    return [t for step in program for t in (step.transfers if isinstance(step, TransferGroup) else computes_of(step))]
 
 
 def check_structure(schedule: list[list], num_microbatches: int, virtual_pp: int = 1,
-                    forward_only: bool = False) -> None:
+                    forward_only: bool = False, v_shape: bool = False) -> None:
     """Each rank runs every (chunk, micro-batch)'s F exactly once and then either its B, or its I and then its W,
-    exactly once, with transfers adjacent."""
+    exactly once, with transfers adjacent (``v_shape``: the V's stages, ``program.virtual_stage``)."""
     pp = len(schedule)
     expected_units = {(c, mb) for c in range(virtual_pp) for mb in range(num_microbatches)}
     for rank, program in enumerate(schedule):
@@ -125,27 +126,30 @@ def check_structure(schedule: list[list], num_microbatches: int, virtual_pp: int
             if before and (before, unit) not in done:
                 raise ScheduleError(f"rank {rank}: {_name(inst, virtual_pp)} runs before its {before}")
             done.add((inst.op, unit))
-        _check_transfers(program, rank, pp, virtual_pp)
+        _check_transfers(program, rank, pp, virtual_pp, v_shape)
 
 
-def _check_transfers(program: list, rank: int, pp: int, virtual_pp: int) -> None:
+def _check_transfers(program: list, rank: int, pp: int, virtual_pp: int, v_shape: bool) -> None:
     """Every transfer a compute needs exists once: each receive is in a group before the compute that
     consumes it, each send in a group after the compute that produces it."""
     stages, done, seen = pp * virtual_pp, set(), set()  # done: the computes run, an I counted as its B
+    stage_of = lambda inst: virtual_stage(rank, inst.chunk, pp, v_shape)  # noqa: E731
     for index, step in enumerate(program):
         if step.is_compute:
-            recvs, sends = transfers_of(step, virtual_stage(rank, step.chunk, pp), stages)
-            missing = [r for r in recvs if r not in seen]
-            if missing:
-                raise ScheduleError(f"rank {rank}, step {index}: {_name(step, virtual_pp)} runs before its "
-                                    f"receive {_name(missing[0], virtual_pp)}; each receive must be in a transfer "
-                                    f"group before the compute that consumes it")
-            done.add(Instruction("backward" if step.op in BACKWARDS else step.op, step.microbatch, step.chunk))
+            for inst in computes_of(step):
+                recvs, sends = transfers_of(inst, stage_of(inst), stages, v_shape)
+                missing = [r for r in recvs if r not in seen]
+                if missing:
+                    raise ScheduleError(f"rank {rank}, step {index}: {_name(inst, virtual_pp)} runs before its "
+                                        f"receive {_name(missing[0], virtual_pp)}; each receive must be in a "
+                                        f"transfer group before the compute that consumes it")
+            done.update(Instruction("backward" if i.op in BACKWARDS else i.op, i.microbatch, i.chunk)
+                        for i in computes_of(step))
             continue
         for transfer in step.transfers:
             compute = Instruction("forward" if transfer.op.endswith("forward") else "backward", transfer.microbatch,
                                   transfer.chunk)
-            recvs, sends = transfers_of(compute, virtual_stage(rank, compute.chunk, pp), stages)
+            recvs, sends = transfers_of(compute, stage_of(compute), stages, v_shape)
             if transfer in seen or transfer not in recvs + sends:
                 raise ScheduleError(f"rank {rank}, step {index}: {_name(transfer, virtual_pp)} is "
                                     f"{'repeated' if transfer in seen else 'not needed (first/last virtual stage)'}")
@@ -155,30 +159,31 @@ def _check_transfers(program: list, rank: int, pp: int, virtual_pp: int) -> None
                                     f"receive must precede the compute that consumes it and a send follow the one "
                                     f"that produces it")
             seen.add(transfer)
-    needed = {t for c in done for t in sum(transfers_of(c, virtual_stage(rank, c.chunk, pp), stages), [])}
+    needed = {t for c in done for t in sum(transfers_of(c, stage_of(c), stages, v_shape), [])}
     if needed - seen:
         raise ScheduleError(f"rank {rank}: transfers missing: "
                             f"{' '.join(sorted(_name(t, virtual_pp) for t in needed - seen))}")
 
 
-def _payload(inst: Instruction, rank: int, pp: int) -> tuple[int, int, int, int]:
+def _payload(inst: Instruction, rank: int, pp: int, v_shape: bool) -> tuple[int, int, int, int]:
     """(source rank, destination rank, what travels: ("activation"|"gradient", micro-batch, receiving stage))."""
-    stage = virtual_stage(rank, inst.chunk, pp)
+    stage = virtual_stage(rank, inst.chunk, pp, v_shape)
     forward, sending = inst.op.endswith("forward"), inst.op.startswith("send")
     peer_stage = stage + 1 if forward == sending else stage - 1
     receiving_stage = peer_stage if sending else stage
-    src, dst = (rank, peer_stage % pp) if sending else (peer_stage % pp, rank)
+    peer = stage_rank(peer_stage, pp, v_shape)
+    src, dst = (rank, peer) if sending else (peer, rank)
     return src, dst, ("activation" if forward else "gradient", inst.microbatch, receiving_stage)
 
 
-def _match_transfers(schedule: list[list], virtual_pp: int) -> dict:
+def _match_transfers(schedule: list[list], virtual_pp: int, v_shape: bool) -> dict:
     """(rank, step index, transfer) -> (peer rank, peer's step index), pairing by order per directed pair."""
     pp = len(schedule)
     sends, recvs = {}, {}
     for rank, program in enumerate(schedule):
         for index, step in enumerate(program):
             for inst in step.transfers if isinstance(step, TransferGroup) else ():
-                src, dst, payload = _payload(inst, rank, pp)
+                src, dst, payload = _payload(inst, rank, pp, v_shape)
                 side = sends if inst.op.startswith("send") else recvs
                 side.setdefault((src, dst), []).append((rank, index, inst, payload))
     counterpart = {}
@@ -199,12 +204,14 @@ def _match_transfers(schedule: list[list], virtual_pp: int) -> dict:
 
 
 def simulate(schedule: list[list], num_microbatches: int, virtual_pp: int = 1, costs: Costs = Costs(),
-             forward_only: bool = False) -> SimulationResult:
-    """Run ``schedule`` under NCCL's rules and return per-rank op times; raise ScheduleError if it cannot finish."""
+             forward_only: bool = False, v_shape: bool = False) -> SimulationResult:
+    """Run ``schedule`` under NCCL's rules and return per-rank op times; raise ScheduleError if it cannot finish.
+    ``v_shape``: the V schedules' stage layout (``program.virtual_stage``). An Overlapped unit runs its halves
+    back to back (no speed-up assumed from the overlap)."""
     if not schedule:
         raise ScheduleError("the schedule has no ranks; fix: pass one instruction list per pipeline rank")
-    check_structure(schedule, num_microbatches, virtual_pp, forward_only)
-    counterpart = _match_transfers(schedule, virtual_pp)
+    check_structure(schedule, num_microbatches, virtual_pp, forward_only, v_shape)
+    counterpart = _match_transfers(schedule, virtual_pp, v_shape)
     pp = len(schedule)
     clock = [0.0] * pp
     posted_at: dict[tuple[int, int], float] = {}
@@ -212,9 +219,10 @@ def simulate(schedule: list[list], num_microbatches: int, virtual_pp: int = 1, c
 
     def advance(rank: int, index: int, step) -> bool:
         if step.is_compute:
-            start = clock[rank]
-            clock[rank] = start + costs.of(step, virtual_stage(rank, step.chunk, pp))
-            spans[rank].append(Span(step, start, clock[rank]))
+            for inst in computes_of(step):
+                start = clock[rank]
+                clock[rank] = start + costs.of(inst, virtual_stage(rank, inst.chunk, pp, v_shape))
+                spans[rank].append(Span(inst, start, clock[rank]))
             return True
         posted_at.setdefault((rank, index), clock[rank])
         peers = [counterpart[(rank, index, t)] for t in step.transfers]

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from ..models.counters import count_parameters
-from .partition import partition_layers, stage_layers
-from .program import virtual_stage
+from .partition import partition_layers
+from .schedules import chunk_stage
 
 
 def layer_partition(cfg) -> list[list[int]]:
@@ -40,8 +40,8 @@ def chunk_places(cfg, pp_rank: int) -> list[ChunkPlace]:
     """The places of pipeline rank ``pp_rank``'s chunks, one per virtual stage it holds, in chunk order."""
     par = cfg.parallel
     partition, stages = layer_partition(cfg), par.pp * par.virtual_pp
-    return [ChunkPlace(stage_layers(partition, pp_rank, chunk, par.pp), stage == 0, stage == stages - 1)
-            for chunk, stage in ((c, virtual_stage(pp_rank, c, par.pp)) for c in range(par.virtual_pp))]
+    return [ChunkPlace(partition[stage], stage == 0, stage == stages - 1)
+            for stage in (chunk_stage(par, pp_rank, c) for c in range(par.virtual_pp))]
 
 
 def tied_embedding_params(chunks) -> list[torch.Tensor]:
