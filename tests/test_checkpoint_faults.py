@@ -156,7 +156,7 @@ def test_a_disk_too_small_for_one_checkpoint_warns_or_fails(tmp_path):
         cfg = load_config(os.path.join(REPO, TINY["gpt"]), [f"checkpoint.dir={target}", f"log.dir={tmp_path}/log"])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _, lock = prepare_run_dirs(cfg, rank=0, key="test/run dirs")  # checkpoint.free_space=warn, the default
+            lock = prepare_run_dirs(cfg, rank=0, key="test/run dirs").lock  # checkpoint.free_space=warn, the default
         lock.release()
         assert any("less than one checkpoint" in str(w.message) for w in caught)
         assert os.listdir(target) == []  # probe and lock cleaned up

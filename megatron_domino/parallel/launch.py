@@ -1,8 +1,10 @@
 """Starting the default process group from torchrun, slurm's srun, or a bare single process.
 
 The backend and device are chosen here and nowhere else: NCCL + CUDA when CUDA is available,
-gloo + CPU otherwise, overridable. Everything downstream only asks for ``device``. A launch that cannot
-start as configured raises ``LaunchError``, which the entry points print as one short block.
+gloo + CPU otherwise, overridable. Everything downstream only asks for ``device``. The default group's
+store holds this launch attempt's keys alone (``attempt.py``), so a job that torchrun restarts never
+reads its dead attempt's. A launch that cannot start as configured raises ``LaunchError``, which the
+entry points print as one short block.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch.distributed as dist
 
 from ..config.errors import LaunchError
 from ..config.schema import BACKENDS
+from .attempt import open_store
 from .device import cuda
 
 
@@ -112,7 +115,9 @@ def init_distributed(backend: str = "auto", timeout_s: float = 1200.0) -> torch.
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(free_port()))
         device = device_for(backend)
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if backend == "nccl" else None)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend=backend, store=open_store(rank, world_size, timeout), rank=rank,
+                                world_size=world_size, timeout=timeout, device_id=device if backend == "nccl" else None)
         return device
     return device_for(backend)
