@@ -91,6 +91,13 @@ class AttentionPhase(nn.Module):
         """Domino: the output projection with its all-reduce left in flight."""
         return self.proj.launch(hidden, pieces)
 
+    def attend(self, q, k, v, context: TokenContext):
+        """The attention core over this step's tokens; during generation (``context.cache``) over every token so
+        far, the earlier ones' keys and values taken from the cache."""
+        if context.cache is not None:
+            return context.cache.attend(self, q, k, v)
+        return self.run_core(self._core, q, k, v, context.doc_offsets)
+
     def _core(self, q, k, v, doc_offsets):
         """Causal softmax(QK^T/sqrt(d)) V, within each document where ``doc_offsets`` (host memory) are given;
         dropout on probabilities uses the TP stream (heads differ per rank)."""
@@ -126,18 +133,17 @@ class Attention(AttentionPhase):
 
     def hidden(self, x: torch.Tensor, context: TokenContext = NO_CONTEXT) -> torch.Tensor:
         """Everything up to the output projection: [b, s, h] -> this rank's heads [b, s, local heads * d]."""
-        rotary, doc_offsets = context.rotary, context.doc_offsets
         qkv = self.qkv(x)
         b, s = qkv.shape[:2]
         qkv = qkv.view(b, s, self.local_groups, self.queries_per_group + 2, self.head_dim)
         q = qkv[:, :, :, :self.queries_per_group].reshape(b, s, -1, self.head_dim).transpose(1, 2)
         k = qkv[:, :, :, self.queries_per_group].transpose(1, 2)
         v = qkv[:, :, :, self.queries_per_group + 1].transpose(1, 2)
-        q, k = self.rotate_heads(q, k, rotary)
+        q, k = self.rotate_heads(q, k, context.rotary)
         if self.queries_per_group > 1 and self.backend == "efficient":
             k = k.repeat_interleave(self.queries_per_group, dim=1)
             v = v.repeat_interleave(self.queries_per_group, dim=1)
-        out = self.run_core(self._core, q, k, v, doc_offsets)
+        out = self.attend(q, k, v, context)
         return out.transpose(1, 2).reshape(b, s, -1)
 
     def rotate_heads(self, q: torch.Tensor, k: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:

@@ -131,11 +131,13 @@ class LanguageModel(nn.Module):
 
     def token_context(self, batch: dict, batch_size: int) -> TokenContext:
         """The tokens' context for every block: rotary tables, document offsets, the step's auxiliary loss
-        weight (``batch["aux_loss_weight"]``, set by the pipeline engine; 1 elsewhere), and a fresh place for
-        the MoE layers' balance sets of this micro-batch."""
+        weight (``batch["aux_loss_weight"]``, set by the pipeline engine; 1 elsewhere), a fresh place for
+        the MoE layers' balance sets of this micro-batch, and in generation the KV cache (``batch["kv_cache"]``,
+        with the new tokens' absolute positions in ``batch["position_ids"]``)."""
         rotary = (rotary_tables(self._position_ids(batch, batch_size), self.inv_freq, self.rotary_scale)
                   if self.cfg.position_embedding == "rope" else None)
-        return TokenContext(rotary, batch.get("doc_offsets"), batch.get("aux_loss_weight", 1.0), balance={})
+        return TokenContext(rotary, batch.get("doc_offsets"), batch.get("aux_loss_weight", 1.0), balance={},
+                            cache=batch.get("kv_cache"))
 
     def head(self, hidden: torch.Tensor, batch: dict, rows: slice, return_logits: bool,
              context: TokenContext = NO_CONTEXT) -> torch.Tensor:

@@ -98,7 +98,7 @@ class LatentAttention(AttentionPhase):
             q = q * self.query_scale
         k = torch.cat([k_nope, k_rope.expand(-1, self.local_heads, -1, -1)], dim=-1)
         padding = q.shape[-1] - self.v_dim  # kernels (and the CP ring) take one head size: pad the values
-        out = self.run_core(self._core, q, k, F.pad(v, (0, padding)) if padding else v, context.doc_offsets)
+        out = self.attend(q, k, F.pad(v, (0, padding)) if padding else v, context)
         return out[..., :self.v_dim].transpose(1, 2).reshape(b, s, -1)
 
 

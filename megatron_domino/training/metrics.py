@@ -115,6 +115,25 @@ class MetricsWriter:
         if console:
             print(console, flush=True)
 
+    def write_samples(self, step: int, samples: list[tuple[str, str]]) -> None:
+        """Greedy continuations (prompt, text) at ``step``: one JSONL record and console line each, TensorBoard
+        text (``samples/<i>``) and one wandb table."""
+        if not self.enabled:
+            return
+        for index, (prompt, text) in enumerate(samples):
+            self._jsonl.write(json.dumps({"step": step, "split": "sample", "prompt": prompt, "text": text}) + "\n")
+            if self._tensorboard is not None:
+                self._tensorboard.add_text(f"samples/{index}", f"**{prompt}**{text}", step)
+            print(f"sample at step {step} | {prompt!r} -> {text!r}", flush=True)
+        self._jsonl.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.flush()
+        if self._wandb is not None:
+            import wandb  # imported already: the run was started with it
+            self._wandb.log({"samples": wandb.Table(columns=["step", "prompt", "text"],
+                                                    data=[[step, prompt, text] for prompt, text in samples])},
+                            step=step)
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
