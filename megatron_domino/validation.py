@@ -9,7 +9,8 @@ rank grid (``parallel.topology.check_topology``, also run by ``Topology``), Domi
 (``domino.plan.check_domino``, also run by ``DominoPlan``), the pipeline split and schedule
 (``pipeline.partition.check_partition`` and ``pipeline.schedules.check_schedule``, also run when a
 partition or a schedule is built, and by the planner's search), the config's own sections
-(``config/rules.py``), what TP splits (``models.attention``, ``models.mlp``), MoE (``config/validate_moe.py``).
+(``config/rules.py``), what TP splits (``models.attention``, ``models.mlp``), MoE (``config/validate_moe.py``), the
+evaluation's samples (``config/validate_samples.py``).
 This module only gathers them.
 """
 from __future__ import annotations
@@ -19,7 +20,8 @@ from .config.checks import Checks
 from .config.errors import ConfigError
 from .config.loader import config_from_dict, config_to_dict
 from .config.schema import Config
-from .config.validate_data import check_data
+from .config.validate_data import check_data, check_eval_sets
+from .config.validate_samples import check_samples
 from .config.validate_moe import check_moe
 from .domino.plan import check_domino
 from .models.attention import check_attention_split
@@ -54,8 +56,10 @@ def validate_config(cfg: Config, world_size: int | None = None, check_paths: boo
     check_moe(c, cfg)
     rules.check_optimizer(c, cfg)
     check_data(c, cfg, check_paths)
+    check_eval_sets(c, cfg, check_paths)
     rules.check_files(c, cfg, check_paths)
     rules.check_operations(c, cfg)
+    check_samples(c, cfg)
     if c.problems:
         raise ConfigError.of(c.problems)
     return c.warnings

@@ -1,6 +1,7 @@
 """train.on_bad_step: a NaN gradient on one rank at step K is skipped by every rank, or stops every rank with a
 checkpoint of step K - 1; a loss spike above spike_factor x the running median is refused. One spawn of 4 ranks
-(TP2 x PP2) runs both actions."""
+(TP2 x PP2) runs both actions. ``rerun``: a fault in the first attempt only is transient (the run equals a run
+without it bit for bit, dropout on); one in both attempts is the data's (skipped or stopped, documents named)."""
 import json
 import math
 import os
@@ -22,16 +23,18 @@ def _checksum(trainer) -> float:
     return sum(p.detach().double().sum().item() for chunk in trainer.chunks for p in chunk.parameters())
 
 
-def _trainer(rank, run_dir, action):
+def _trainer(rank, run_dir, action, name=None, poisoned_attempts=(1,), overrides=()):
     from megatron_domino.training.trainer import Trainer
+    name = name or action
     cfg = load_config(os.path.join(REPO, TINY["gpt"]), COMMON + [
-        f"log.dir={run_dir}/{action}", f"checkpoint.dir={run_dir}/{action}/checkpoints", "parallel.tp=2",
-        "parallel.pp=2", "train.global_batch_size=8", "train.steps=5", f"train.on_bad_step={action}"])
+        f"log.dir={run_dir}/{name}", f"checkpoint.dir={run_dir}/{name}/checkpoints", "parallel.tp=2",
+        "parallel.pp=2", "train.global_batch_size=8", "train.steps=5", f"train.on_bad_step={action}", *overrides])
     trainer = Trainer(cfg)
-    optimizer_step, sums = trainer.optimizer.step, {}
+    optimizer_step, sums, attempts = trainer.optimizer.step, {}, []
 
     def step(lr, accept=None):  # the test hook: poison this rank's gradient before step BAD_STEP's update
-        if rank == POISONED_RANK and trainer.step + 1 == BAD_STEP:
+        attempts.append(trainer.step + 1)
+        if rank == POISONED_RANK and trainer.step + 1 == BAD_STEP and attempts.count(BAD_STEP) in poisoned_attempts:
             for fragment in trainer.optimizer.fragments:
                 fragment.grad.fill_(float("nan"))
         stepped = optimizer_step(lr, accept)
@@ -79,3 +82,45 @@ def test_a_spike_above_the_running_median_is_refused_and_not_remembered():
     assert guard.skipped == 1 and list(guard.recent) == [3.5, 6.5, 3.25]
     assert guard.judge(7, torch.tensor(float("inf")))(norm, local) is False
     assert guard.problem == "bad step 7: loss is inf, first seen on every rank (the global loss)"
+
+
+RERUN = ["model.hidden_dropout=0.1"]  # a rerun must repeat the first attempt's dropout masks
+
+
+def _reruns(rank, world_size, run_dir):
+    """Without a fault; a fault in the first attempt only; in both, skipped; in both, stopped."""
+    sums = {}
+    for name, poisoned, after in (("clean", (), "stop"), ("transient", (1,), "stop"), ("data", (1, 2), "skip")):
+        trainer, sums[name] = _trainer(rank, run_dir, "rerun", name, poisoned,
+                                       [*RERUN, f"train.on_bad_step_after_rerun={after}"])
+        trainer.train()
+        sums[name] = (sums[name], trainer.guard.skipped, trainer.step)
+        trainer.close()
+    trainer, _ = _trainer(rank, run_dir, "rerun", "stopped", (1, 2), RERUN)
+    with pytest.raises(BadStepError) as stopped:
+        trainer.train()
+    trainer.close()
+    torch.distributed.barrier()
+    return sums, str(stopped.value)
+
+
+def _bad_steps(run_dir):
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl") if '"bad_step"' in line]
+
+
+def test_a_rerun_tells_a_transient_fault_from_the_data(tmp_path):
+    results = run_ranks(_reruns, 4, str(tmp_path), timeout=400)
+    for rank, (sums, message) in enumerate(results):
+        clean, transient, data = sums["clean"], sums["transient"], sums["data"]
+        assert transient == clean and clean[1:] == (0, 5), f"rank {rank}"  # bit for bit, nothing skipped
+        assert data[1:] == (1, 5) and data[0][BAD_STEP] == data[0][BAD_STEP - 1], f"rank {rank}"  # not applied
+        assert data[0][BAD_STEP + 1] != data[0][BAD_STEP], f"rank {rank}"
+        assert "reproduced it: the data or the model" in message and "on_bad_step_after_rerun=stop" in message
+        assert "samples 16..23 of the training set, documents mock:0:16" in message
+    (record,) = _bad_steps(tmp_path / "transient")
+    assert record["action"] == "transient" and record["step"] == BAD_STEP
+    assert f"did not reproduce it: a transient fault on rank {POISONED_RANK}, host " in record["problem"]
+    (record,) = _bad_steps(tmp_path / "data")
+    assert record["action"] == "skip" and "reproduced it" in record["problem"]
+    with open(tmp_path / "stopped" / "checkpoints" / "latest") as f:
+        assert json.load(f)["step"] == BAD_STEP - 1

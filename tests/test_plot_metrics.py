@@ -1,4 +1,5 @@
-"""tools/plot_metrics.py: two runs into one PNG of the requested size; bad inputs exit 2 with a clear message."""
+"""tools/plot_metrics.py: two runs into one PNG of the requested size; panels without data are left out and named
+with the reason; validation sets get a line each; bad inputs exit 2 with a clear message."""
 import importlib.util
 import json
 import os
@@ -47,3 +48,21 @@ def test_missing_or_empty_input_exits_2_naming_it(tmp_path, capsys):
     assert plot_metrics.main([str(empty), "-o", str(tmp_path / "x.png")]) == 2
     assert "no metrics records" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "x.png")
+
+
+def test_panels_without_data_are_left_out_with_the_reason_and_each_set_has_its_line(tmp_path, capsys):
+    """A CPU run (no MFU) that evaluated its split and one eval.path set: 5 panels, MFU named as missing."""
+    os.makedirs(tmp_path / "cpu")
+    with open(tmp_path / "cpu" / "metrics.jsonl", "w") as f:
+        for step in range(1, 4):
+            f.write(json.dumps({"step": step, "loss": 5.0 / step, "lr": 1e-3, "grad_norm": 1.0,
+                                "tokens_per_s": 10.0}) + "\n")
+        f.write(json.dumps({"step": 3, "split": "valid", "loss": 2.0}) + "\n")
+        f.write(json.dumps({"step": 3, "split": "valid", "set": "wiki", "loss": 3.0}) + "\n")
+    runs = {"cpu": plot_metrics.read_records(str(tmp_path / "cpu"))}
+    drawn, left_out = plot_metrics.panels(runs)
+    assert [title for title, _, _ in drawn] == ["loss", "valid loss", "learning rate", "grad norm", "tokens/s"]
+    assert [(label, values) for label, _, values in drawn[1][2]] == [("cpu", [2.0]), ("cpu: wiki", [3.0])]
+    assert left_out == ["MFU: the device's peak FLOP/s is unknown (a CPU; set log.peak_tflops to have one)"]
+    assert plot_metrics.main([str(tmp_path / "cpu"), "-o", str(tmp_path / "p.png")]) == 0
+    assert "not drawn: MFU: the device's peak FLOP/s is unknown" in capsys.readouterr().out

@@ -7,6 +7,7 @@ from typing import Any
 from .checks import Checks
 from .data_path import parse_data_path
 from .errors import ConfigError
+from .eval_sets import parse_eval_sets
 from .schema import Config
 
 
@@ -55,8 +56,24 @@ def check_data(c: Checks, cfg: Config, check_paths: bool) -> None:
         c.problems.extend(err.problems)
         return
     if check_paths and not d.mock:
-        for prefix in prefixes:
-            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
-            if missing:
-                c.fail("data.path", prefix, f"{' and '.join(prefix + e for e in missing)} not found",
-                       "run tools/preprocess_data.py to make it, or correct the prefix (no .bin/.idx suffix)")
+        _check_files(c, "data.path", prefixes)
+
+
+def _check_files(c: Checks, key: str, prefixes) -> None:
+    for prefix in prefixes:
+        missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+        if missing:
+            c.fail(key, prefix, f"{' and '.join(prefix + e for e in missing)} not found",
+                   "run tools/preprocess_data.py to make it, or correct the prefix (no .bin/.idx suffix)")
+
+
+def check_eval_sets(c: Checks, cfg: Config, check_paths: bool) -> None:
+    """``eval.path``'s sets (``config/eval_sets.py``): well formed, named apart, and on disk."""
+    try:
+        sets = parse_eval_sets(cfg.eval.path)
+    except ConfigError as err:
+        c.problems.extend(err.problems)
+        return
+    for index, (_, data_path) in enumerate(sets):
+        if check_paths:
+            _check_files(c, f"eval.path[{index}]", parse_data_path(data_path).prefixes)

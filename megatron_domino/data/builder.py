@@ -11,12 +11,14 @@ the blend holds the samples asked for, going round the prefixes again in the sam
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
 
 from megatron_domino.config.data_path import EXAMPLES, parse_data_path
 from megatron_domino.config.errors import ConfigError
+from megatron_domino.config.eval_sets import parse_eval_sets
 from megatron_domino.config.schema import Config
 
 from .blended_dataset import BlendedDataset, load_blending_indices
@@ -108,3 +110,15 @@ def _gpt_dataset(indexed: IndexedDataset, shares: list[float], split: int, count
     """Split ``split`` of one prefix, holding at least ``count`` samples."""
     return GPTDataset(indexed, split_ranges(shares, len(indexed))[split], count, options, seed,
                       cache_dir_for(indexed.prefix, cache_dir), SPLIT_NAMES[split], build_on_this_rank, barrier)
+
+
+def build_eval_sets(cfg: Config, num_samples: int, build_on_this_rank: bool = True,
+                    barrier: Callable[[], None] | None = None) -> list[tuple[str, object]]:
+    """[(name, dataset)] of ``eval.path`` (``config.eval_sets``): every document of each set, ``num_samples``
+    samples at least; the training data's split does not apply (a set is held out as a whole)."""
+    sets = []
+    for name, data_path in parse_eval_sets(cfg.eval.path):
+        whole = replace(cfg, data=replace(cfg.data, path=data_path, split="0,1,0", mock=False))
+        sets.append((name, build_train_valid_test_datasets(whole, (0, num_samples, 0), build_on_this_rank,
+                                                           barrier)[1]))
+    return sets

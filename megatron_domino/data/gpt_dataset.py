@@ -95,6 +95,13 @@ class GPTDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         return self.options.make(self.sample_tokens(i))
 
+    def documents(self, i: int) -> list[str]:
+        """The documents sample ``i`` packs, as ``PREFIX-NAME:DOCUMENT`` (for reports of a bad step)."""
+        j = int(self.shuffle_index[i])
+        first_entry, last_entry = int(self.sample_index[j][0]), int(self.sample_index[j + 1][0])
+        name = os.path.basename(self.indexed.prefix)
+        return [f"{name}:{int(self.document_index[k])}" for k in range(first_entry, last_entry + 1)]
+
 
 class MockGPTDataset(torch.utils.data.Dataset):
     """Deterministic synthetic samples for tests and benchmarks: uniform random tokens below the EOD id, with an
@@ -122,3 +129,6 @@ class MockGPTDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return self.options.make(self.sample_tokens(i))
+
+    def documents(self, i: int) -> list[str]:
+        return [f"mock:{self.split_index}:{i}"]

@@ -1,7 +1,9 @@
-"""The trainer's micro-batches: the datasets of ``cfg.data``, read on the ranks that need tokens or labels."""
+"""The trainer's micro-batches: the datasets of ``cfg.data`` (and ``eval.path``'s sets), read on the ranks that need
+tokens or labels."""
 from __future__ import annotations
 
 from ..data import MicroBatchLoader, build_train_valid_test_datasets
+from ..data.builder import build_eval_sets
 from ..data.attention_balance import AttentionBalancer
 from ..models.mtp import with_mtp_targets
 from ..models.ring_attention import split_for_context_parallel
@@ -25,6 +27,8 @@ class DataFeed:
             train_ds, valid_ds, _ = build_train_valid_test_datasets(
                 cfg, (train.steps * train.global_batch_size, evaluations * eval_samples, 0),
                 build_on_this_rank=state.rank == 0, barrier=lambda: phase.barrier("indices cached"))
+            eval_sets = build_eval_sets(cfg, eval_samples, build_on_this_rank=state.rank == 0,
+                                        barrier=lambda: phase.barrier("evaluation sets' indices cached"))
         reads = engine.needs_tokens or engine.holds_loss or data.reset_position_ids or data.reset_attention_mask
         par = cfg.parallel
         self.balancer = (AttentionBalancer(train.micro_batch_size, data.balance_tolerance, par.cp, par.cp_comm,
@@ -35,6 +39,7 @@ class DataFeed:
                                          if ds is not None and reads else None)
         self.train_loader, self.valid_loader = make(train_ds, self.balancer), make(valid_ds)
         self.has_validation = valid_ds is not None
+        self.eval_sets = {name: make(ds) for name, ds in eval_sets}  # name -> loader (None where nothing is read)
 
     def resume(self, consumed_samples: int) -> None:
         self.consumed = consumed_samples
@@ -49,11 +54,26 @@ class DataFeed:
         resume reads its samples again)."""
         self.consumed += self.global_batch_size
 
-    def validation_steps(self, iters: int):
-        """``iters`` steps of validation micro-batches, from the split's start each time."""
-        if self.valid_loader is not None:
-            self.valid_loader.load_state_dict({"consumed_samples": 0})
-        return (self._next(self.valid_loader) for _ in range(iters))
+    def step_documents(self, limit: int = 16) -> str:
+        """What the next step trains on: its global sample range and, where this rank reads the data, the
+        documents of those samples (the first ``limit``), for the bad-step report."""
+        first = self.consumed
+        text = f"samples {first}..{first + self.global_batch_size - 1} of the training set"
+        dataset = self.train_loader.dataset if self.train_loader is not None else None
+        if dataset is None or not hasattr(dataset, "documents"):
+            return text
+        size = len(dataset)
+        names = [name for i in range(first, first + self.global_batch_size) for name in dataset.documents(i % size)]
+        names = list(dict.fromkeys(names))
+        more = f" and {len(names) - limit} more" if len(names) > limit else ""
+        return f"{text}, documents {', '.join(names[:limit])}{more}"
+
+    def validation_steps(self, iters: int, eval_set: str | None = None):
+        """``iters`` steps of validation micro-batches (of ``eval_set``'s, if named), from the start each time."""
+        loader = self.eval_sets[eval_set] if eval_set is not None else self.valid_loader
+        if loader is not None:
+            loader.load_state_dict({"consumed_samples": 0})
+        return (self._next(loader) for _ in range(iters))
 
     def _next(self, loader) -> list[dict]:
         if loader is None:  # a middle stage: activations come over p2p

@@ -21,7 +21,9 @@ from ..models.stage_chunks import build_chunks
 from ..optim import LRSchedule
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..parallel import Topology, init_distributed
+from ..parallel.attempt import current_attempt
 from ..parallel.launch import collective_timeout_s
+from ..pipeline.schedules import refuse_unrunnable
 from ..parallel.random import RNGTracker
 from ..parallel.state import ParallelState
 from ..pipeline.engine import PipelineEngine
@@ -33,6 +35,7 @@ from .checkpoint_dir import RUN_DIRS_VERDICT, prepare_run_dirs
 from .data_feed import DataFeed
 from .guard import BadStepGuard
 from .instruments import build_instruments
+from .samples import TrainingSamples
 from .signals import PreemptionHandler
 from .step_log import StepLog
 from .watchdog import Watchdog
@@ -48,6 +51,7 @@ class Trainer:
         ``print_rank_map`` False skips gathering the host names for the start-up rank map (a rehearsal,
         whose fake process group moves no data, prints its own)."""
         self.cfg, par, timeout_s = cfg, cfg.parallel, collective_timeout_s(cfg.parallel)
+        refuse_unrunnable(par)
         self.device = init_distributed(par.backend, timeout_s)
         topology = Topology.from_config(par, dist.get_world_size())
         self.state = ParallelState(topology, self.device, timeout_s, strict=par.strict_transport)
@@ -57,7 +61,9 @@ class Trainer:
                 print(table, flush=True)
         # before any model or index is built: an unusable folder fails in seconds, not at the first save
         verdict_key = self.state.barriers.key(RUN_DIRS_VERDICT)
-        self.run_id, self.dir_lock = prepare_run_dirs(cfg, self.state.rank, verdict_key, writes_checkpoints)
+        self.launch_attempt = current_attempt()  # a restarted attempt of the job resumes from its own latest
+        self.run_id, self.dir_lock, self.resumes = prepare_run_dirs(cfg, self.state.rank, verdict_key,
+                                                                     writes_checkpoints, self.launch_attempt)
         try:
             self._build()
         except BaseException:
@@ -83,10 +89,13 @@ class Trainer:
         self.metrics, self.timers, self.profile, self.oom, self.stragglers = build_instruments(
             cfg, self.state, self.device, writer)
         self.guard = (BadStepGuard(train.on_bad_step, train.spike_factor, train.spike_window, self.state.rank,
-                                   self.state.topology.world_size) if train.on_bad_step else None)
+                                   self.state.topology.world_size, train.on_bad_step_after_rerun)
+                      if train.on_bad_step else None)
         self.data = DataFeed(cfg, self.state, self.engine, self.watchdog)
         self.cadence = StepCadence(cfg, self.device, guarded=self.guard is not None)
         self.checkpointer = Checkpointer(cfg, self.state, self.rng, self.run_id)
+        self.samples = (TrainingSamples(cfg, self.state, self.chunks, self.dtype, self.device)
+                        if cfg.eval.sample_prompts and self.state.cp_size == 1 else None)  # CP: the config warns
         if self.state.rank == 0:
             save_config(cfg, os.path.join(cfg.log.dir, "config.yaml"))
         self._maybe_load()
@@ -98,8 +107,13 @@ class Trainer:
 
     # ----- checkpoints --------------------------------------------------------------------------
     def _maybe_load(self) -> None:
-        ckpt = self.cfg.checkpoint
-        path = resolve_load_path(ckpt.load, ckpt.dir)
+        """Load checkpoint.load; a restarted attempt of the job (torchrun, slurm requeue) loads its own ``latest``
+        instead (``prepare_run_dirs`` decided it on rank 0)."""
+        ckpt, attempt = self.cfg.checkpoint, self.launch_attempt
+        path = resolve_load_path("auto" if self.resumes else ckpt.load, ckpt.dir)
+        if attempt.number > 0 and not self.resumes:
+            self._log_once(f"restart attempt {attempt.number} ({attempt.describe()}): no checkpoint of this job in "
+                           f"checkpoint.dir, starting {f'from {path}' if path else 'from step 0'}")
         if path is None:
             return
         with self.watchdog.watching(load_phase(self.cfg, self.state.barriers)) as phase:
@@ -109,6 +123,8 @@ class Trainer:
             self.step = metadata["step"]
             self.data.resume(metadata["consumed_samples"])
         self._log_once(f"loaded checkpoint {path} (step {self.step})")
+        if self.resumes:
+            self._log_once(f"restart attempt {attempt.number}: resuming from step {self.step} ({attempt.describe()})")
 
     def save(self) -> None:
         ckpt = self.cfg.checkpoint
@@ -117,8 +133,8 @@ class Trainer:
         self.phase = "saving a checkpoint"
         with self.watchdog.watching(save_phase(self.cfg, self.state.barriers)) as phase:
             path = self.checkpointer.save(ckpt.dir, self.step, chunks=self.chunks, optimizer=self.optimizer,
-                                          lr_schedule=self.lr_schedule, consumed_samples=self.data.consumed, keep=ckpt.keep,
-                                          phase=phase)
+                                          lr_schedule=self.lr_schedule, consumed_samples=self.data.consumed,
+                                          keep=ckpt.keep, phase=phase)
         self._log_once(f"{'saving checkpoint (in the background)' if ckpt.async_save else 'saved checkpoint'} {path}")
 
     def release_checkpoint_dir(self) -> None:
@@ -138,6 +154,27 @@ class Trainer:
         with record_function("data loading"):
             microbatches = self.data.next_train_step()
         self.timers.stop("data")
+        lr = self.lr_schedule.lr_at(self.step)
+        rerun = self.guard is not None and self.guard.action == "rerun"
+        streams = self.rng.capture() if rerun else None  # the random streams the step starts from (dropout)
+        loss, _, grad_norm = self._attempt(microbatches, lr)
+        if rerun and self.guard.problem:  # refused: the same step again, to tell the machine from the data
+            first = self.guard.problem
+            self.rng.restore(streams)
+            loss, _, grad_norm = self._attempt(microbatches, lr)
+            self.guard.after_rerun(first, self.data.step_documents())
+        if self.guard is not None and self.guard.problem and self.guard.verdict == "stop":
+            return {"bad_step": self.guard.problem}  # the step is not counted: state stays at the last good one
+        self.lr_schedule.step()
+        self.step += 1
+        self.data.count_step()
+        self.phase = "logging"
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "mtp_loss": self.engine.mtp_loss,
+                "bad_step": self.guard.problem if self.guard is not None else None}
+
+    def _attempt(self, microbatches: list[dict], lr: float) -> tuple:
+        """Forward, backward and the update of this step (not applied if the guard refuses it): (loss, whether
+        it was applied, gradient norm)."""
         self.optimizer.zero_grad()
         self.phase = "forward-backward"
         self.timers.start("forward-backward")
@@ -151,32 +188,33 @@ class Trainer:
         self.timers.stop("forward-backward")
         self.phase = "optimizer step"
         self.timers.start("optimizer")
-        lr = self.lr_schedule.lr_at(self.step)
         with record_function("optimizer step"):
             stepped, grad_norm = self.optimizer.step(lr, self.guard.judge(self.step + 1, loss) if self.guard else None)
             if stepped:
                 update_expert_biases(self.chunks, self.state.dp_cp_group)
             fp8_end_step(self.chunks, (self.state.tp_group, self.state.dp_cp_group), applied=stepped)
         self.timers.stop("optimizer")
-        if self.guard is not None and self.guard.problem and self.guard.action == "stop":
-            return {"bad_step": self.guard.problem}  # the step is not counted: state stays at the last good one
-        self.lr_schedule.step()
-        self.step += 1
-        self.data.count_step()
-        self.phase = "logging"
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "mtp_loss": self.engine.mtp_loss,
-                "bad_step": self.guard.problem if self.guard is not None else None}
+        return loss, stepped, grad_norm
 
     def evaluate(self) -> dict:
-        if not self.data.has_validation:
-            self._log_once("no validation split (data.split gives it no share): nothing to evaluate")
+        if self.samples is not None:  # greedy continuations of eval.sample_prompts
+            self.phase = "evaluation: samples"
+            self.samples.write(self.step, self.metrics, self.optimizer)
+        sets = ([None] if self.data.has_validation else []) + list(self.data.eval_sets)  # None: the data's split
+        if not sets:
+            self._log_once("no validation split (data.split gives it no share) and no eval.path: nothing to evaluate")
             return {}
         self.phase = "evaluation"
-        iters = self.cfg.train.eval_iters
-        loss = (sum(self.engine.evaluate(batches) for batches in self.data.validation_steps(iters)) / iters).item()
-        record = {"step": self.step, "split": "valid", "loss": loss, "ppl": math.exp(min(loss, 50.0))}
-        self.metrics.write(record, f"validation at step {self.step} | loss {loss:.4f} | ppl {record['ppl']:.2f}")
-        return record
+        iters, records = self.cfg.train.eval_iters, []
+        for name in sets:
+            steps = self.data.validation_steps(iters, name)
+            loss = (sum(self.engine.evaluate(batches) for batches in steps) / iters).item()
+            record = {"step": self.step, "split": "valid", "loss": loss, "ppl": math.exp(min(loss, 50.0))}
+            where = "validation" if name is None else f"validation on {name}"
+            self.metrics.write(record if name is None else dict(record, set=name),
+                               f"{where} at step {self.step} | loss {loss:.4f} | ppl {record['ppl']:.2f}")
+            records.append(record)
+        return records[0]
 
     def train(self) -> None:
         cfg, cadence = self.cfg, self.cadence
@@ -220,10 +258,11 @@ class Trainer:
     def _report_bad_step(self, problem: str) -> None:
         """Every rank knows the bad step; the metrics rank records it (JSONL and console), and under
         train.on_bad_step=stop every rank saves the last good step and stops."""
-        step = self.step + (self.guard.action == "stop")  # a stopped step was not counted
-        self.metrics.write({"step": step, "split": "bad_step", "problem": problem, "action": self.guard.action},
-                           f"{problem}: {self.guard.action}")
-        if self.guard.action == "stop":
+        verdict = self.guard.verdict
+        step = self.step + (verdict == "stop")  # a stopped step was not counted
+        self.metrics.write({"step": step, "split": "bad_step", "problem": problem, "action": verdict},
+                           f"{problem}: {verdict}")
+        if verdict == "stop":
             self.save()
             self.checkpointer.wait()
             raise self.guard.stop_error(saved=bool(self.cfg.checkpoint.dir))
