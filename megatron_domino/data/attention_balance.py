@@ -23,6 +23,8 @@ its micro-batch's samples with another micro-batch's that lowers that peak most.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -46,9 +48,14 @@ def rank_work(sample: dict, cp_size: int, cp_comm: str = "ring", a2a_size: int =
     if cp_size == 1 or cp_comm == "a2a":
         return np.full(cp_size, work.sum() / cp_size)
     group = a2a_size if cp_comm == "a2a+ring" else 1
-    ring = cp_size // group
-    members = [work[local_positions(length, ring, member).numpy()].sum() for member in range(ring)]
+    members = [work[held].sum() for held in _ring_members_positions(length, cp_size // group)]
     return np.repeat(np.asarray(members, dtype=np.float64) / group, group)
+
+
+@functools.lru_cache(maxsize=8)
+def _ring_members_positions(length: int, ring: int) -> tuple[np.ndarray, ...]:
+    """Each ring member's token positions: the same for every sample of a run, so made once."""
+    return tuple(local_positions(length, ring, member).numpy() for member in range(ring))
 
 
 def imbalance(loads: np.ndarray) -> float:

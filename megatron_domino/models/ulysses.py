@@ -103,11 +103,14 @@ class _Wait(torch.autograd.Function):
         return pending.grad, None
 
 
-def _members_order(ulysses: Ulysses, local: int, device) -> torch.Tensor:
-    """The global positions of the group members' tokens laid end to end, the first member's first."""
+def _orders(ulysses: Ulysses, local: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(members' order -> sequence order, and back): the indices that sort the group members' tokens, laid end to
+    end (the first member's first), into sequence order, and the inverse. Made once per attention call."""
     seq = local * ulysses.cp_size
-    return torch.cat([local_positions(seq, ulysses.cp_size, ulysses.first + member, device, ulysses.layout)
+    held = torch.cat([local_positions(seq, ulysses.cp_size, ulysses.first + member, device, ulysses.layout)
                       for member in range(ulysses.size)])
+    to_sequence_order = torch.argsort(held)
+    return to_sequence_order, torch.argsort(to_sequence_order)
 
 
 def _launch_to_heads(x: torch.Tensor, ulysses: Ulysses) -> tuple[PendingExchange, torch.Tensor]:
@@ -116,18 +119,18 @@ def _launch_to_heads(x: torch.Tensor, ulysses: Ulysses) -> tuple[PendingExchange
     return pending, pending.launch(x.view(b, ulysses.size, heads // ulysses.size, local, d).transpose(0, 1))
 
 
-def _joined(pending: PendingExchange, arriving: torch.Tensor, ulysses: Ulysses) -> torch.Tensor:
+def _joined(pending: PendingExchange, arriving: torch.Tensor, to_sequence_order: torch.Tensor) -> torch.Tensor:
     """Block j (rank j's chunks of my heads) laid out in sequence order: [b, heads / size, size * local, d]."""
     size, b, heads, local, d = arriving.shape
     joined = pending.wait(arriving).permute(1, 2, 0, 3, 4).reshape(b, heads, size * local, d)
-    return joined.index_select(2, torch.argsort(_members_order(ulysses, local, arriving.device)))
+    return joined.index_select(2, to_sequence_order)
 
 
-def _launch_to_sequence(y: torch.Tensor, ulysses: Ulysses) -> tuple[PendingExchange, torch.Tensor]:
+def _launch_to_sequence(y: torch.Tensor, ulysses: Ulysses,
+                        to_members_order: torch.Tensor) -> tuple[PendingExchange, torch.Tensor]:
     b, heads, whole, d = y.shape
     size, local = ulysses.size, whole // ulysses.size
-    order = torch.argsort(torch.argsort(_members_order(ulysses, local, y.device)))  # sorted -> members' order
-    blocks = y.index_select(2, order).view(b, heads, size, local, d)
+    blocks = y.index_select(2, to_members_order).view(b, heads, size, local, d)
     pending = PendingExchange(ulysses.group)
     return pending, pending.launch(blocks.permute(2, 0, 1, 3, 4))  # block j: my chunks of j's heads
 
@@ -141,12 +144,12 @@ def to_heads(x: torch.Tensor, ulysses: Ulysses) -> torch.Tensor:
     """[b, heads, s / cp, d] (this rank's chunks, every head) -> [b, heads / size, size · s / cp, d]: the group's
     tokens in sequence order (a2a: the whole sequence; a2a+ring: a ring member's two chunks), this rank's slice
     of the heads."""
-    return _joined(*_launch_to_heads(x, ulysses), ulysses)
+    return _joined(*_launch_to_heads(x, ulysses), _orders(ulysses, x.shape[2], x.device)[0])
 
 
 def to_sequence(y: torch.Tensor, ulysses: Ulysses) -> torch.Tensor:
     """The inverse of ``to_heads``: [b, heads / size, size · s / cp, d] -> [b, heads, s / cp, d]."""
-    return _split(*_launch_to_sequence(y, ulysses))
+    return _split(*_launch_to_sequence(y, ulysses, _orders(ulysses, y.shape[2] // ulysses.size, y.device)[1]))
 
 
 def head_slices(heads: int, groups: int, ulysses: Ulysses) -> int:
@@ -169,13 +172,14 @@ def ulysses_attention(q, k, v, ulysses: Ulysses, core):
         k = k.repeat_interleave(ulysses.size // groups, dim=1)
         v = v.repeat_interleave(ulysses.size // groups, dim=1)
     n = head_slices(q.shape[1], k.shape[1], ulysses)
+    to_sequence_order, to_members_order = _orders(ulysses, q.shape[2], q.device)
     parts = [x.chunk(n, dim=1) for x in (q, k, v)]
     launched = [[_launch_to_heads(x[0], ulysses) for x in parts]]
     returning = []
     for i in range(n):
         if i + 1 < n:
             launched.append([_launch_to_heads(x[i + 1], ulysses) for x in parts])
-        out = core(*(_joined(*exchange, ulysses) for exchange in launched[i]))
-        returning.append(_launch_to_sequence(out, ulysses))
+        out = core(*(_joined(*exchange, to_sequence_order) for exchange in launched[i]))
+        returning.append(_launch_to_sequence(out, ulysses, to_members_order))
     outs = [_split(*exchange) for exchange in returning]
     return outs[0] if n == 1 else torch.cat(outs, dim=1)

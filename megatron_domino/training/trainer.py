@@ -157,11 +157,11 @@ class Trainer:
         lr = self.lr_schedule.lr_at(self.step)
         rerun = self.guard is not None and self.guard.action == "rerun"
         streams = self.rng.capture() if rerun else None  # the random streams the step starts from (dropout)
-        loss, _, grad_norm = self._attempt(microbatches, lr)
+        loss, grad_norm = self._attempt(microbatches, lr)
         if rerun and self.guard.problem:  # refused: the same step again, to tell the machine from the data
             first = self.guard.problem
             self.rng.restore(streams)
-            loss, _, grad_norm = self._attempt(microbatches, lr)
+            loss, grad_norm = self._attempt(microbatches, lr)
             self.guard.after_rerun(first, self.data.step_documents())
         if self.guard is not None and self.guard.problem and self.guard.verdict == "stop":
             return {"bad_step": self.guard.problem}  # the step is not counted: state stays at the last good one
@@ -173,8 +173,8 @@ class Trainer:
                 "bad_step": self.guard.problem if self.guard is not None else None}
 
     def _attempt(self, microbatches: list[dict], lr: float) -> tuple:
-        """Forward, backward and the update of this step (not applied if the guard refuses it): (loss, whether
-        it was applied, gradient norm)."""
+        """Forward, backward and the update of this step (not applied if the guard refuses it): (loss, gradient
+        norm)."""
         self.optimizer.zero_grad()
         self.phase = "forward-backward"
         self.timers.start("forward-backward")
@@ -194,7 +194,7 @@ class Trainer:
                 update_expert_biases(self.chunks, self.state.dp_cp_group)
             fp8_end_step(self.chunks, (self.state.tp_group, self.state.dp_cp_group), applied=stepped)
         self.timers.stop("optimizer")
-        return loss, stepped, grad_norm
+        return loss, grad_norm
 
     def evaluate(self) -> dict:
         if self.samples is not None:  # greedy continuations of eval.sample_prompts
