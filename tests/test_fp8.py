@@ -8,6 +8,7 @@ import torch
 
 from megatron_domino.config import Config, ConfigError
 from megatron_domino.fp8.linear import linear
+from megatron_domino.fp8.quantize import _product
 from megatron_domino.fp8.scaling import GRAD, INPUT, WEIGHT, Fp8Recipe, LinearScaling
 from megatron_domino.models.expert_linear import experts_linear
 from megatron_domino.tensor_parallel import ColumnParallelLinear, LayerContext, RowParallelLinear
@@ -191,3 +192,19 @@ def test_compiled_casts_equal_eager_ones_bit_for_bit():
         compiled = _run(lambda x, w: linear(x, w, None, LinearScaling(recipe, (), None)), x, w, g)
         for what, a, b in zip(("y", "dx", "dW"), compiled, eager):
             assert torch.equal(a, b), (kind, what)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_cpu_product_equals_torch_scaled_mm_bit_for_bit(out_dtype):
+    """On the CPU the FP8 product skips torch's slow _scaled_mm kernel; it must compute exactly what that kernel does,
+    per-tensor and row-wise scales, both formats, into a given buffer or a new one."""
+    gen = torch.Generator().manual_seed(3)
+    a = (torch.randn(40, 96, generator=gen) * 3).to(E4M3)
+    b = (torch.randn(24, 96, generator=gen) * 5).to(E5M2)
+    scales = [(torch.tensor(0.375), torch.tensor(0.0625)),
+              (torch.rand(40, 1, generator=gen) + 0.1, torch.rand(1, 24, generator=gen) + 0.1)]
+    for scale_a, scale_b in scales:
+        expected = torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        assert torch.equal(_product(a, b.t(), scale_a, scale_b, out_dtype), expected)
+        out = torch.empty(40, 24, dtype=out_dtype)
+        assert _product(a, b.t(), scale_a, scale_b, out_dtype, out) is out and torch.equal(out, expected)

@@ -5,7 +5,10 @@ An operand is 2-D and its last dimension is the one the GEMM contracts. Its scal
 row and per tile of ``block`` columns ([rows, cols / block]), which covers DeepSeek-V3's 1 x 128 activation
 tiles and, repeated over a block's rows, its 128 x 128 weight blocks. With tiles the GEMM runs one
 row-wise-scaled product per tile column and sums them in fp32, which is DeepSeek's "promotion" at every
-block of the contraction; ``torch._scaled_mm`` does each product (CPU and CUDA alike).
+block of the contraction. On CUDA ``torch._scaled_mm`` does each product. On the CPU, torch's ``_scaled_mm`` upcasts
+the operands, scales them and multiplies in fp32, through a kernel 100 to 2,000 times slower than an fp32 GEMM
+(0.2 s for 256 x 64 x 192 on a 2-core Xeon); ``_product`` does those same steps with ATen's fast ops, and a test
+holds it bit-equal to ``torch._scaled_mm``.
 """
 from __future__ import annotations
 
@@ -99,6 +102,16 @@ def quantize_tiles(x: torch.Tensor, block: int, dtype: torch.dtype, margin: int 
     return Quantized(data.contiguous(), scale.repeat_interleave(tile_rows, 0)[:rows].contiguous(), block)
 
 
+def _product(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+             out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(a x scale_a) @ (b x scale_b) in fp32, rounded to ``out_dtype`` (into ``out`` when given); ``b`` is
+    [contraction, columns]."""
+    if a.is_cuda:
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, out=out)
+    product = ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+    return product if out is None else out.copy_(product)
+
+
 def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """a @ b^T, [rows of a, rows of b], accumulated in fp32 (into ``out`` when given)."""
     shape = (a.data.shape[0], b.data.shape[0])
@@ -107,16 +120,15 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, out: torch.Ten
     if 0 in (*shape, a.data.shape[1]):  # an expert without rows
         return out.zero_()
     if a.block == 0 and b.block == 0:
-        return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale, scale_b=b.scale, out_dtype=out.dtype, out=out)
+        return _product(a.data, b.data.t(), a.scale, b.scale, out.dtype, out)
     if a.block != b.block:
         raise ValueError(f"FP8 operands tiled differently: {a.block} and {b.block} columns")
     block, cols = a.block, a.data.shape[1]
     total = None
     for tile, start in enumerate(range(0, cols, block)):
         columns = slice(start, min(start + block, cols))
-        part = torch._scaled_mm(a.data[:, columns].contiguous(), b.data[:, columns].contiguous().t(),
-                                scale_a=a.scale[:, tile:tile + 1].contiguous(),
-                                scale_b=b.scale[:, tile:tile + 1].reshape(1, -1).contiguous(),
-                                out_dtype=torch.float32)
+        part = _product(a.data[:, columns].contiguous(), b.data[:, columns].contiguous().t(),
+                        a.scale[:, tile:tile + 1].contiguous(), b.scale[:, tile:tile + 1].reshape(1, -1).contiguous(),
+                        torch.float32)
         total = part if total is None else total.add_(part)
     return out.copy_(total)
