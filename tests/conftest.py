@@ -15,5 +15,10 @@ install_collective_checks()
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "slow" not in item.keywords:
+        if "slow" not in item.keywords and "sweep" not in item.keywords:
             item.add_marker(pytest.mark.quick)
+    if not config.getoption("markexpr"):  # a plain run (CI's): the sweep only when a -m expression asks for it
+        swept = [item for item in items if "sweep" in item.keywords]
+        if swept:
+            config.hook.pytest_deselected(items=swept)
+            items[:] = [item for item in items if "sweep" not in item.keywords]

@@ -1,9 +1,9 @@
 """Run a function on N gloo ranks from pytest, with a hard timeout and no processes left behind.
 
-Ranks are forked from a forkserver that has imported torch once, so a start costs a fork, not a
-fresh interpreter. The function must be importable (module level). Each rank returns a value
-(picklable) or raises; the first failure, or the timeout, kills every rank and fails the test
-with that rank's traceback.
+Ranks are forked from a forkserver that has imported torch and the library's heavy modules once, so a start
+costs a fork, not a fresh interpreter and a second of imports per rank. The function must be importable (module
+level). Each rank returns a value (picklable) or raises; the first failure, or the timeout, kills every rank and
+fails the test with that rank's traceback.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def _context():
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed"])
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "megatron_domino.training.trainer",
+                                         "megatron_domino.models.stage_chunks", "megatron_domino.pipeline.engine"])
     return _CONTEXT
 
 

@@ -67,7 +67,7 @@ def test_pipeline_analysis_of_a_simulated_timeline_reproduces_the_simulation():
     from megatron_domino.pipeline.simulate import simulate
     for (schedule, v), pp in itertools.product(pipeline.SCHEDULES.items(), (2, 4)):
         m = 8
-        result = simulate(build_schedule(schedule, pp, m, v), m, v)
+        result = simulate(build_schedule(schedule, pp, m, v), m, v, v_shape=schedule in pipeline.V_SHAPED)
         steps = [[(s.instruction.op, s.instruction.chunk, s.instruction.microbatch, s.start, s.end) for s in row]
                  for row in result.spans]
         analysis = pipeline.analyse([[ops] for ops in steps], schedule, m, pp)

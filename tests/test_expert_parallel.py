@@ -33,13 +33,13 @@ def _config(model, zero=1, **parallel):
     return layout_config(model, MICRO_BATCH, GLOBAL_BATCH, replace(OPT, zero_stage=zero), **parallel)
 
 
-def _microbatches(model):
+def _microbatches(model, micro=MICRO_BATCH):
     def steps(state):
         per_rank = GLOBAL_BATCH // state.dp_size
         for batch in _batches(model):
             mine = [t[state.dp_rank * per_rank:(state.dp_rank + 1) * per_rank] for t in batch]
             yield [{"tokens": t, "labels": lab, "loss_mask": m} for t, lab, m in
-                   zip(*(part.split(MICRO_BATCH) for part in mine))]
+                   zip(*(part.split(micro) for part in mine))]
     return steps
 
 
@@ -81,7 +81,8 @@ def _run(world_size, layouts):
     for cfg, routed_together in layouts:
         ref_norms, norms = [], []
         ref_losses, ref_weights = _reference(cfg.model, routed_together, _batches(cfg.model), ref_norms)
-        losses, weights = train_steps(world_size, cfg, cfg.optimizer, _microbatches(cfg.model), LR, norms=norms)
+        micro = _microbatches(cfg.model, cfg.train.micro_batch_size)
+        losses, weights = train_steps(world_size, cfg, cfg.optimizer, micro, LR, norms=norms)
         where = (cfg.parallel.ep, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.optimizer.zero_stage,
                  cfg.parallel.expert_tp)
         compared.append((assert_same_run(where, losses, weights, ref_losses, ref_weights), list(ref_weights)))

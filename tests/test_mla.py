@@ -167,7 +167,8 @@ def test_deepseek_configs_pass_the_dry_run_at_their_gpu_count(name, monkeypatch)
     assert "-> fits" in dry_run(load_config(path), world, gpu="h100-80gb")
 
 
-@pytest.mark.parametrize("name, world", [("deepseek/v2-lite", 16), ("deepseek/v3-671b", 1024)])
+@pytest.mark.parametrize("name, world", [("deepseek/v2-lite", 16),  # V3's 1,024-GPU search: the sweep tier
+                                         pytest.param("deepseek/v3-671b", 1024, marks=pytest.mark.sweep)])
 def test_deepseek_configs_hold_the_planners_first_choice(name, world):
     """The parallel section of each config is what tools/plan.py ranks first on H100s at its GPU count."""
     from megatron_domino.planner.hardware import get_gpu

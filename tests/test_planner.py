@@ -28,8 +28,9 @@ from megatron_domino.pipeline.schedules import build_schedule
 from megatron_domino.pipeline.simulate import Costs, simulate
 from megatron_domino.pipeline.stages import layer_partition
 from megatron_domino.planner.hardware import get_gpu
-from megatron_domino.planner.activations import chunk_activation_bytes
-from megatron_domino.planner.memory import bucket_weights, estimate_memory, gathered_window, in_flight, rank_parameters
+from megatron_domino.planner.activations import chunk_activation_bytes, loss_transient_bytes
+from megatron_domino.planner.memory import (bucket_weights, estimate_memory, estimate_stages, gathered_window,
+                                            in_flight, rank_parameters)
 from megatron_domino.planner.moe import layer_parameters
 from megatron_domino.planner.timing import estimate_step_time
 
@@ -89,8 +90,8 @@ def fake_tp(monkeypatch):
     monkeypatch.setattr(comm, "reduce_scatter_flat", skipped)
 
     real_all_reduce = dist.all_reduce
-    monkeypatch.setattr(dist, "all_reduce",
-                        lambda t, *a, group=None, **k: None if group is fake else real_all_reduce(t, *a, group=group, **k))
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, group=None, **k:
+                        None if group is fake else real_all_reduce(t, *a, group=group, **k))
 
     def make(tp):
         size["tp"] = tp
@@ -245,16 +246,43 @@ def test_zero3_gathers_consecutive_units_and_reduces_the_largest_buckets():
     assert gathered_window(tied, 0) == 1024 * 64 + 64 * 64 + sum(layer_parameters(tied.model, 0, 1))
 
 # ----- schedules: in-flight micro-batches and the bubble vs the simulator -----------------------------
-@pytest.mark.parametrize("pp,m,v", [(4, 8, 1), (4, 2, 1), (2, 4, 2), (4, 12, 3), (4, 4, 2)])
-def test_in_flight_and_bubble_match_the_simulator(pp, m, v):
-    cfg = _tiny(GPT, f"parallel.pp={pp}", f"parallel.virtual_pp={v}", "model.num_layers=24",
-                f"train.global_batch_size={2 * m}")
-    kind = "1f1b" if v == 1 else "interleaved"
-    simulated = simulate(build_schedule(kind, pp, m, v), m, v, Costs(forward=1 / v, backward=2 / v))
+@pytest.mark.parametrize("kind,pp,m,v", [
+    ("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1), ("interleaved", 2, 4, 2), ("interleaved", 4, 12, 3),
+    ("interleaved", 4, 4, 2), ("zb-h1", 4, 8, 1), ("zb-h1", 4, 2, 1), ("zb-h1", 2, 1, 1), ("zb-v", 4, 4, 2),
+    ("zb-v", 2, 6, 2), ("zb-v", 4, 9, 2), ("dualpipev", 4, 8, 2), ("dualpipev", 2, 5, 2), ("dualpipev", 3, 12, 2),
+])
+def test_in_flight_and_bubble_match_the_simulator(kind, pp, m, v):
+    """Uniform stages, F : B = 1 : 2 per chunk (I = W): the planner's bubble is the simulator's bubble fraction of
+    the step, and each rank's peak in flight the simulator's."""
+    cfg = _tiny(GPT, f"parallel.pp={pp}", f"parallel.virtual_pp={v}", f"parallel.pipeline_schedule={kind}",
+                "model.num_layers=24", f"train.global_batch_size={2 * m}")
+    simulated = simulate(build_schedule(kind, pp, m, v), m, v, Costs(forward=1 / v, backward=2 / v),
+                         v_shape=kind in ("zb-v", "dualpipev"))
     assert in_flight(cfg, 1) == simulated.max_in_flight
     free_links = replace(CPU, intra_node_gbps=1e12, inter_node_gbps=1e12)
     time = estimate_step_time(cfg, 1, free_links, 8)
-    assert time.bubble / time.compute == pytest.approx(simulated.makespan / (3 * m) - 1, rel=1e-3)
+    assert time.bubble / (time.compute + time.bubble) == pytest.approx(simulated.bubble_fraction, rel=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["zb-v", "dualpipev"])
+def test_the_v_holds_half_stages_and_puts_the_loss_on_rank_0(kind):
+    """Under the V, rank r holds stages r and 2pp - 1 - r: its activations are the simulator's in-flight count of
+    its larger chunk's bytes (each half a stage's layers), and the loss's transient is rank 0's."""
+    pp, m = 2, 4
+    cfg = _tiny(GPT, f"parallel.pp={pp}", f"parallel.pipeline_schedule={kind}", "model.num_layers=8",
+                f"train.global_batch_size={2 * m}")
+    peaks = simulate(build_schedule(kind, pp, m, 2), m, 2, v_shape=True).max_in_flight
+    tokens = cfg.train.micro_batch_size * cfg.model.seq_length
+    stages = estimate_stages(cfg, 1, CPU)
+    for rank, stage in enumerate(stages):
+        held = [virtual_stage(rank, chunk, pp, True) for chunk in (0, 1)]
+        per_chunk = max(chunk_activation_bytes(cfg, CPU, 2, s == 0, s == 2 * pp - 1) for s in held)  # 8 / 4 layers
+        assert stage.activations == pytest.approx(peaks[rank] * per_chunk * tokens)
+    assert stages[0].transient == pytest.approx(loss_transient_bytes(cfg) * tokens) and stages[1].transient == 0
+    # the same model interleaved first (memoised per layout): the V's rank 1 still holds blocks only
+    interleaved = replace(cfg, parallel=replace(cfg.parallel, pipeline_schedule="interleaved"))
+    assert rank_parameters(interleaved)[1] > 4 * sum(layer_parameters(cfg.model, 0, 1))  # stage 3: the head
+    assert rank_parameters(cfg)[1] == 4 * sum(layer_parameters(cfg.model, 0, 1))
 
 
 # ----- step time: compute and TP communication from first principles ----------------------------------

@@ -14,8 +14,11 @@ from itertools import product
 import pytest
 
 from megatron_domino.config import load_config
+from megatron_domino.config.checks import Checks
 from megatron_domino.config.errors import ConfigError
-from megatron_domino.config.schema import ZERO_STAGES
+from megatron_domino.config.schema import PIPELINE_SCHEDULES, ZERO_STAGES
+from megatron_domino.pipeline.schedules import build_schedule, check_schedule, v_shape
+from megatron_domino.pipeline.simulate import simulate
 from megatron_domino.planner.hardware import get_gpu
 from megatron_domino.planner.search import MICRO_BATCHES, Layout, candidate_layouts, divisors, evaluate, rank_layouts
 from megatron_domino.validation import validate_config
@@ -27,6 +30,12 @@ CPU = get_gpu("cpu")
 
 def _tiny(path, *overrides):
     return load_config(path, list(overrides))
+
+
+def _schedule_passes(pp: int, v: int, kind: str | None) -> bool:
+    c = Checks()
+    check_schedule(c, pp, v, None, kind)
+    return not c.problems
 
 
 def _validator_accepts(cfg, layout: Layout) -> bool:
@@ -44,10 +53,11 @@ def _validator_accepts(cfg, layout: Layout) -> bool:
     (GPT, 8, ["parallel.domino=true", "train.global_batch_size=24", "model.seq_length=12"]),
 ])
 def test_the_search_keeps_exactly_the_layouts_the_validator_accepts(path, world, overrides):
-    """Every (tp, cp, pp, dp, v, micro batch, TP mode, ZeRO, ep, CP comm) of ``world`` ranks: the search's
-    candidates are the ones validate_config accepts (the CP comm only where cp > 1: at cp 1 it is moot)."""
+    """Every (tp, cp, pp, dp, v, schedule, micro batch, TP mode, ZeRO, ep, CP comm) of ``world`` ranks: the
+    search's candidates are the ones validate_config accepts (the CP comm only where cp > 1: at cp 1 it is moot;
+    the schedule named at pp > 1, left to the config at pp 1)."""
     cfg = _tiny(path, *overrides)
-    found = set(candidate_layouts(cfg, world, only={"recompute": ["none"]}))
+    found = set(candidate_layouts(cfg, world, only={"recompute": ["none"], "schedule": PIPELINE_SCHEDULES}))
     expected = set()
     for tp, cp, pp in product(divisors(world), repeat=3):
         if world % (tp * cp * pp):
@@ -56,11 +66,14 @@ def test_the_search_keeps_exactly_the_layouts_the_validator_accepts(path, world,
         domino = cfg.parallel.domino
         modes = {(False, domino)} | ({(True, False), (True, domino)} if tp > 1 else set())
         comms = [("ring", None)] + ([("a2a", None)] + [("a2a+ring", n) for n in divisors(cp)[1:-1]] if cp > 1 else [])
-        for v, b, (sp, domino), zero, ep, comm in product(range(1, 5), MICRO_BATCHES, modes, ZERO_STAGES,
-                                                          divisors(dp), comms):
+        schedules = PIPELINE_SCHEDULES if pp > 1 else (None,)
+        for v, kind, b, (sp, domino), zero, ep, comm in product(range(1, 5), schedules, MICRO_BATCHES, modes,
+                                                                ZERO_STAGES, divisors(dp), comms):
             if dp * cp == 1 and zero != cfg.optimizer.zero_stage:
                 continue  # one replica: the ZeRO stage is moot
-            layout = Layout(tp, pp, dp, v, b, "none", zero, sp, domino, cp, ep, False, 1, *comm)
+            if not _schedule_passes(pp, v, kind):
+                continue  # the validator refuses it whatever the batch (it runs this rule): skipped for time
+            layout = Layout(tp, pp, dp, v, b, "none", zero, sp, domino, cp, ep, False, 1, *comm, kind)
             if _validator_accepts(cfg, layout):
                 expected.add(layout)
     assert found == expected, (sorted(found - expected, key=str)[:3], sorted(expected - found, key=str)[:3])
@@ -149,3 +162,54 @@ def test_memory_savers_are_tried_only_where_a_layout_does_not_fit():
     best = next(e for e in savers if e.fits)
     assert load_config(os.path.join(ROOT, "configs/llama/llama2-70b.yaml"), best.layout.overrides()) == \
         best.layout.apply(llama70)
+
+
+# ----- the pipeline schedule -----------------------------------------------------------------------------
+GPT13 = os.path.join(ROOT, "configs/gpt/1.3b.yaml")
+PP4 = {"tp": [1], "cp": [1], "pp": [4], "schedule": PIPELINE_SCHEDULES}  # 8 GPUs: dp 2, every schedule asked for
+
+
+def _simulated_bubble(kind, pp, m, v):
+    return simulate(build_schedule(kind, pp, m, v), m, v, v_shape=v_shape(kind)).bubble_fraction
+
+
+def test_the_search_picks_zb_v_where_it_fits_and_has_the_micro_batches():
+    """GPT 1.3B on 8 H100s at pp 4, 16 sequences a step: at micro batch 1 (m 8 per DP rank) every schedule runs and
+    the simulator puts ZB-V's bubble lowest: the search ranks it first. Micro batch 2 (m 4 < 2 pp) leaves DualPipeV
+    out, micro batch 4 (m 2 < pp, and not a multiple of pp) ZB-V and interleaving too."""
+    cfg = load_config(GPT13, ["train.global_batch_size=16"])
+    ranked = rank_layouts(cfg, get_gpu("h100-80gb"), nodes=1, gpus_per_node=8, only=PP4)
+    best = next(e for e in ranked if e.fits)
+    assert best.layout.schedule == "zb-v" and "parallel.pipeline_schedule=zb-v" in best.layout.overrides()
+    m = 16 // (best.layout.micro_batch * 2)
+    assert m >= 4
+    bubbles = {kind: _simulated_bubble(kind, 4, m, v) for kind, v in
+               [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("zb-v", 2)] + [("dualpipev", 2)] * (m >= 8)}
+    assert min(bubbles, key=bubbles.get) == "zb-v"
+    same = {e.layout.schedule: e for e in ranked if replace(e.layout, schedule=None, virtual_pp=1) ==
+            replace(best.layout, schedule=None, virtual_pp=1)}
+    assert same.keys() >= {"1f1b", "zb-h1", "zb-v"} and same["1f1b"].time.total > best.time.total
+    assert load_config(GPT13, ["train.global_batch_size=16", *best.layout.overrides()]) == best.layout.apply(cfg)
+    schedules = lambda mbs: {e.layout.schedule for e in ranked if e.layout.micro_batch == mbs}  # noqa: E731
+    assert schedules(1) == set(PIPELINE_SCHEDULES)
+    assert schedules(2) == set(PIPELINE_SCHEDULES) - {"dualpipev"}
+    assert schedules(4) == {"1f1b", "zb-h1"}
+
+
+def test_unasked_the_search_keeps_to_the_schedules_whose_memory_it_models():
+    """Without --schedule the split-backward schedules stay out (their I-to-W gradients are not yet counted)."""
+    cfg = load_config(GPT13, ["train.global_batch_size=16"])
+    ranked = rank_layouts(cfg, get_gpu("h100-80gb"), nodes=1, gpus_per_node=8, only={"tp": [1], "cp": [1], "pp": [4]})
+    assert {e.layout.schedule_mode for e in ranked} == {"1f1b", "interleaved"}
+
+
+def test_a_schedule_the_config_fixes_is_kept():
+    """parallel.pipeline_schedule: 1f1b in the config: every layout runs 1F1B (one chunk per rank), and the
+    overrides say so."""
+    cfg = load_config(GPT13, ["train.global_batch_size=16", "parallel.pipeline_schedule=1f1b"])
+    ranked = rank_layouts(cfg, get_gpu("h100-80gb"), nodes=1, gpus_per_node=8, only={"tp": [1], "cp": [1]})
+    assert {e.layout.schedule for e in ranked} == {"1f1b"} and {e.layout.virtual_pp for e in ranked} == {1}
+    assert {e.layout.pp for e in ranked} == {1, 2, 4, 8}
+    best = next(e for e in ranked if e.fits and e.layout.pp == 4)
+    assert "parallel.pipeline_schedule=1f1b" in best.layout.overrides()
+    assert load_config(GPT13, best.layout.overrides()).parallel.pipeline_schedule == "1f1b"

@@ -1,14 +1,16 @@
-"""The parallelism planner: every valid (tp, cp, pp, dp, virtual pp, micro batch, recompute, ZeRO, TP and CP
-communication) layout for a cluster, with its per-GPU memory and step time, ranked fastest first among those that fit.
+"""The parallelism planner: every valid (tp, cp, pp, dp, virtual pp, pipeline schedule, micro batch, recompute, ZeRO,
+TP and CP communication) layout for a cluster, with its per-GPU memory and step time, ranked fastest first among those
+that fit.
 
     python tools/plan.py --model gpt3-175b --gpu h100-80gb --nodes 16 --gpus-per-node 8
         [--seq-length 2048] [--global-batch 1536] [--top 10] [--emit] [--tp 8] [--cp 1,2] [--pp 8,16] [--ep 1,4]
-        [--cp-comm ring,a2a,a2a+ring]
+        [--cp-comm ring,a2a,a2a+ring] [--schedule 1f1b,zb-h1,interleaved,zb-v,dualpipev]
         [key=value ...]
 
---model takes a config file or a size name (gpt3-175b, llama2-70b, tiny-gpt, ... as listed by --help).
---ep (MoE models only) pins the expert-parallel sizes as --cp pins cp. --emit prints only the best layout,
-as overrides for pretrain_gpt.py / pretrain_llama.py. The assumptions behind the numbers are in
+--model takes a config file or a size name (gpt3-175b, llama2-70b, tiny-gpt, ... as listed by --help). --ep (MoE
+models only) pins the expert-parallel sizes as --cp pins cp. --schedule keeps the pipelined layouts that run one of
+these schedules (a config or override setting parallel.pipeline_schedule fixes it instead). --emit prints only the
+best layout, as overrides for pretrain_gpt.py / pretrain_llama.py. The assumptions behind the numbers are in
 megatron_domino/planner/{memory,timing,context_parallel,moe}.py.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 sys.path.insert(0, ROOT)
 
 from megatron_domino.config import ConfigError, load_config  # noqa: E402
-from megatron_domino.config.schema import CP_COMMS  # noqa: E402
+from megatron_domino.config.schema import CP_COMMS, PIPELINE_SCHEDULES  # noqa: E402
 from megatron_domino.models.counters import count_parameters  # noqa: E402
 from megatron_domino.planner.hardware import GPUS, get_gpu  # noqa: E402
 from megatron_domino.planner.report import format_table  # noqa: E402
@@ -67,6 +69,12 @@ def _cp_comm(text: str) -> str:
     return text
 
 
+def _schedule(text: str) -> str:
+    if text not in PIPELINE_SCHEDULES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(PIPELINE_SCHEDULES)}")
+    return text
+
+
 def _list(kind):
     return lambda text: [kind(item) for item in text.split(",")]
 
@@ -101,13 +109,15 @@ def parse_args(argv):
     p.add_argument("--zero", type=_list(lambda text: _count(text, least=0)), help="only these ZeRO stages")
     p.add_argument("--tp-comm", type=_list(str), help="only these: domino,sp")
     p.add_argument("--cp-comm", type=_list(_cp_comm), help="only these for cp > 1: ring,a2a,a2a+ring")
+    p.add_argument("--schedule", type=_list(_schedule),
+                   help="only pp > 1 layouts running these: 1f1b,interleaved,zb-h1,zb-v,dualpipev")
     p.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     return p.parse_args(argv)
 
 
 def _filters(args) -> dict:
     only = {"tp": args.tp, "cp": args.cp, "pp": args.pp, "ep": args.ep, "virtual_pp": args.vpp, "micro_batch": args.mbs,
-            "recompute": args.recompute, "zero_stage": args.zero, "cp_comm": args.cp_comm}
+            "recompute": args.recompute, "zero_stage": args.zero, "cp_comm": args.cp_comm, "schedule": args.schedule}
     only = {key: value for key, value in only.items() if value is not None}
     if args.tp_comm is not None:
         only["sequence_parallel"] = {mode == "sp" for mode in args.tp_comm}

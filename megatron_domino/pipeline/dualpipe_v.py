@@ -66,8 +66,13 @@ def dualpipe_v_programs(pp: int, num_microbatches: int) -> list[list]:
     """Every rank's DualPipeV program, transfers placed by ``placement``; m >= 2 pp micro-batches.
 
     Closed forms, uniform costs F = I = W per chunk (B = I + W; the simulator's default F 1, B 2), the F&B
-    unit costing F + B (no overlap credited): see ``tests/test_pipeline_v_schedules.py`` for the values the
-    simulator confirms."""
+    unit costing F + B (no overlap credited), m >= 2 pp (``tests/test_pipeline_v_schedules.py`` checks them on the
+    simulator for pp up to 8 and m up to 32):
+    - bubble (7 pp - 5) / (6 m + 7 pp - 5). The order alone, with data dependencies only, idles 3 (pp - 1)
+      units; the rest comes from the transfers under NCCL's rendezvous rule (receives placed by ``placement``,
+      both halves' receives posted before an F&B unit starts), as the simulator measures it;
+    - peak in flight 2 pp + 1 chunk-micro-batches on every rank: the F&B unit holds its forward's activations
+      before its backward frees the other micro-batch's."""
     if num_microbatches < 2 * pp:
         raise ValueError(f"dualpipev needs at least 2 * pp = {2 * pp} micro-batches, got {num_microbatches}; fix: "
                          f"raise train.global_batch_size")

@@ -19,7 +19,7 @@ from ..parallel.device import to_device
 from .device_batches import DeviceBatches
 from .executor import PipelineExecutor, StageContext
 from .p2p import P2P
-from .schedules import schedule_for
+from .schedules import schedule_for, v_shape
 from .strict_transport import StrictP2P
 
 
@@ -34,9 +34,10 @@ class PipelineEngine:
                                   if model.num_experts else None)
         sequence = model.seq_length // state.cp_size  # context parallelism: each rank holds two of 2·cp chunks
         sequence = sequence // state.tp_size if par.sequence_parallel and state.tp_size > 1 else sequence
+        kind, programs = schedule_for(par, num_microbatches)
         self.stage = StageContext(state.pp_rank, state.pp_size, par.virtual_pp, state.next_pp_rank, state.prev_pp_rank,
-                                  (cfg.train.micro_batch_size, sequence, model.hidden_size), dtype)
-        self.program = schedule_for(par, num_microbatches)[1][state.pp_rank]
+                                  (cfg.train.micro_batch_size, sequence, model.hidden_size), dtype, v_shape(kind))
+        self.program = programs[state.pp_rank]
         self.eval_program = schedule_for(par, num_microbatches, forward_only=True)[1][state.pp_rank]
         self.holds_loss = any(c.has_head for c in chunks)
         self.needs_tokens = any(c.has_embedding for c in chunks)

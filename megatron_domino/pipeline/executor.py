@@ -7,6 +7,10 @@ output is dropped), and tells the gradient synchroniser which backward is the la
 so DP reductions overlap the cool-down. A B runs the whole backward; an I computes the input
 gradient only and its W the weight gradients (``split_backward``), so the weight gradients, and the
 gradient synchroniser's hook, come with the W. A failure names the step and the peers it waits for.
+
+The V schedules (zb-v, dualpipev: ``StageContext.v_shape``) place chunk 1 on the way back up, so its transfers
+go to the previous rank and its gradients to the next; at the turn (rank pp - 1, chunk 0 to chunk 1) the
+activation and its gradient are handed over locally. An ``Overlapped`` F&B unit runs its halves in turn.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import torch
 from torch.profiler import record_function
 
 from .p2p import ACTIVATION, GRADIENT, P2P, Arrival, Transfer
-from .program import BACKWARDS, Instruction, TransferGroup, virtual_stage
+from .program import BACKWARDS, Instruction, TransferGroup, computes_of, stage_rank, virtual_stage
 from .split_backward import backward_input, backward_weight, run_backward
 
 
@@ -32,6 +36,7 @@ class StageContext:
     prev_rank: int
     activation_shape: tuple  # [micro batch, seq (/ tp under SP), hidden]
     dtype: torch.dtype
+    v_shape: bool = False  # the V schedules' layout (``program.virtual_stage``)
 
 
 def _release(output: torch.Tensor) -> None:
@@ -54,17 +59,22 @@ class PipelineExecutor:
         self.position, self.length = 0, 0
 
     def _stage_of(self, chunk: int) -> int:
-        return virtual_stage(self.stage.pp_rank, chunk, self.stage.pp)
+        return virtual_stage(self.stage.pp_rank, chunk, self.stage.pp, self.stage.v_shape)
+
+    def _at_turn(self, chunk: int) -> bool:
+        """Whether ``chunk`` is the V's turn: chunk 0 on the last rank, whose successor (chunk 1) is local."""
+        return self.stage.v_shape and chunk == 0 and self.stage.pp_rank == self.stage.pp - 1
 
     def run(self, schedule: list, microbatches: list[dict]) -> list[torch.Tensor]:
         """Execute ``schedule``; returns the detached loss sums of the micro-batches whose loss lives here."""
         self._inputs, self._outputs, self._grads_in, self._grads_out, losses = {}, {}, {}, {}, []
         self._weights = {}  # (chunk, micro-batch) -> what its W needs
-        self._forward_only = not any(s.op in BACKWARDS for s in schedule)
-        last = {}  # (op, chunk) -> its last micro-batch: the DP reduction's cue
-        for s in schedule:
-            if s.is_compute:
-                last[(s.op, s.chunk)] = max(s.microbatch, last.get((s.op, s.chunk), -1))
+        computes = [inst for step in schedule for inst in computes_of(step)]
+        self._forward_only = not any(inst.op in BACKWARDS for inst in computes)
+        # chunk -> the micro-batch of its last B or I: that backward and its W end the chunk's gradients (the DP
+        # reduction's cue); dualpipev runs some of a chunk's backwards whole and others split, so it is the last
+        # in program order, whatever the kind
+        self._last_backward = {inst.chunk: inst.microbatch for inst in computes if inst.op in BACKWARDS}
         self.length = len(schedule)
         for self.position, step in enumerate(schedule):
             self.current = step
@@ -72,21 +82,30 @@ class PipelineExecutor:
                 if isinstance(step, TransferGroup):
                     self._exchange(step)
                     continue
-                key = (step.chunk, step.microbatch)
-                if step.op == "forward":
-                    input_tensor = self._arrived(self._inputs.pop(key, None), stage_input=True)
-                    if not self._forward_only and input_tensor is not None:
-                        self._inputs[key] = input_tensor  # its gradient is what backward sends
-                    self._outputs[key] = self._forward(step, input_tensor, microbatches, losses)
-                    continue
-                if key in self._grads_in:
-                    self._grads_in[key] = self._arrived(self._grads_in[key])
-                self._backward(step, step.microbatch == last[(step.op, step.chunk)])
+                for inst in computes_of(step):  # an Overlapped F&B unit: its forward, then its backward
+                    self._compute(inst, microbatches, losses)
         self.current = None
         self.p2p.drain()
         self._outputs.clear()
         self._weights.clear()
         return losses
+
+    def _compute(self, inst: Instruction, microbatches, losses) -> None:
+        key = (inst.chunk, inst.microbatch)
+        if inst.op == "forward":
+            input_tensor = self._arrived(self._inputs.pop(key, None), stage_input=True)
+            if not self._forward_only and input_tensor is not None:
+                self._inputs[key] = input_tensor  # its gradient is what backward sends
+            output = self._forward(inst, input_tensor, microbatches, losses)
+            if self._at_turn(inst.chunk):  # handed to chunk 1 here, as a leaf whose gradient comes back to us
+                self._inputs[(1, inst.microbatch)] = output if self._forward_only else output.detach().requires_grad_()
+                if self._forward_only:
+                    return
+            self._outputs[key] = output
+            return
+        if key in self._grads_in:
+            self._grads_in[key] = self._arrived(self._grads_in[key])
+        self._backward(inst, inst.microbatch == self._last_backward[inst.chunk])
 
     def _exchange(self, group: TransferGroup) -> None:
         """One transfer group: sends of what was computed, receives of what comes next (waited for by the
@@ -107,17 +126,25 @@ class PipelineExecutor:
 
     def _transfer(self, inst: Instruction) -> Transfer:
         stage, key, s = self._stage_of(inst.chunk), (inst.chunk, inst.microbatch), self.stage
-        label = f"{inst.label(s.virtual_pp > 1)}"
+        label, peer = f"{inst.label(s.virtual_pp > 1)}", self._peer(inst)
         if inst.op == "send_forward":
-            return Transfer(s.next_rank, f"activation {label}", (ACTIVATION, inst.microbatch, stage + 1),
+            return Transfer(peer, f"activation {label}", (ACTIVATION, inst.microbatch, stage + 1),
                             tensor=self._outputs[key])
         if inst.op == "send_backward":
-            return Transfer(s.prev_rank, f"gradient {label}", (GRADIENT, inst.microbatch, stage - 1),
+            return Transfer(peer, f"gradient {label}", (GRADIENT, inst.microbatch, stage - 1),
                             tensor=self._grads_out.pop(key))
         forward = inst.op == "recv_forward"
-        return Transfer(s.prev_rank if forward else s.next_rank, f"{'activation' if forward else 'gradient'} {label}",
+        return Transfer(peer, f"{'activation' if forward else 'gradient'} {label}",
                         (ACTIVATION if forward else GRADIENT, inst.microbatch, stage),
                         shape=s.activation_shape, dtype=s.dtype)
+
+    def _peer(self, inst: Instruction) -> int:
+        """Global rank at the other end of a transfer: the neighbour holding the stage after this chunk's (sF,
+        rB) or before it (rF, sB); on the V's way back up the next stage is on the previous rank."""
+        s = self.stage
+        ahead = inst.op in ("send_forward", "recv_backward")
+        other = stage_rank(self._stage_of(inst.chunk) + (1 if ahead else -1), s.pp, s.v_shape)
+        return s.next_rank if other == (s.pp_rank + 1) % s.pp else s.prev_rank
 
     def _backward(self, step: Instruction, is_last: bool) -> None:
         """B (the whole backward), or I (input gradient) or W (weight gradients) of a split one."""
@@ -133,7 +160,9 @@ class PipelineExecutor:
         else:
             run_backward(self._outputs.pop(key), self._grads_in.pop(key, None))
             grad = source.grad if source is not None else None
-        if grad is not None and self._stage_of(step.chunk) > 0:
+        if grad is not None and step.chunk == 1 and self._at_turn(0):  # chunk 1's input came from chunk 0 here
+            self._grads_in[(0, step.microbatch)] = grad
+        elif grad is not None and self._stage_of(step.chunk) > 0:
             self._grads_out[key] = grad
 
     def _arrived(self, value, stage_input: bool = False):
@@ -165,8 +194,5 @@ class PipelineExecutor:
             return f"{text}, waiting for the {waiting.transfer.label} from rank {waiting.transfer.peer}"
         if not isinstance(self.current, TransferGroup):
             return text
-        peers = sorted({self._transfer_peer(t) for t in self.current.transfers})
+        peers = sorted({self._peer(t) for t in self.current.transfers})
         return f"{text}, transfers with rank{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))}"
-
-    def _transfer_peer(self, inst: Instruction) -> int:
-        return self.stage.next_rank if inst.op in ("send_forward", "recv_backward") else self.stage.prev_rank

@@ -17,7 +17,6 @@ Every rank visits forwards (and, separately, backwards) in the same rank-indepen
 from __future__ import annotations
 
 from ..config.checks import Checks
-from ..config.errors import ConfigError
 from ..config.schema import PIPELINE_SCHEDULES, V_SCHEDULES
 from .dualpipe_v import dualpipe_v_programs
 from .program import Instruction, add_transfers, virtual_stage
@@ -100,16 +99,6 @@ def _check_v(c: Checks, kind: str, pp: int, virtual_pp: int, num_microbatches: i
                f"= {least} micro-batches per step (train.global_batch_size / (train.micro_batch_size * dp)), got "
                f"{num_microbatches}", f"raise train.global_batch_size to at least {least} * train.micro_batch_size "
                f"* dp, or use parallel.pipeline_schedule=zb-h1")
-
-
-def refuse_unrunnable(parallel) -> None:
-    """The V schedules exist as data (simulator, ``--print-schedule``) but the executor cannot run them yet: a
-    training run asking for one stops here, before any process group, with what to use instead."""
-    if v_shape(parallel.pipeline_schedule):
-        raise ConfigError("parallel.pipeline_schedule", parallel.pipeline_schedule,
-                          "is simulated and printed (--print-schedule) but not yet run by the pipeline executor "
-                          "(the V placement's local handoff and the paired F&B steps are not executed)",
-                          "train with parallel.pipeline_schedule=zb-h1 or interleaved; --print-schedule shows the V")
 
 
 def check_schedule(c: Checks, pp: int, virtual_pp: int, num_microbatches: int | None = None,

@@ -58,8 +58,16 @@ def tied_embedding_params(chunks) -> list[torch.Tensor]:
 
 
 def allreduce_tied_embedding_grads(chunks, state, grad_of) -> None:
-    """Sum the embedding's gradient over the first and last stage, so both copies take the same step."""
+    """Sum the embedding's gradient over the first and last stage, so both copies take the same step. The V
+    schedules hold both stages on pipeline rank 0: the two copies are summed there, and no collective runs (the
+    embedding group's other member, the last rank, holds neither)."""
     if state.pp_size == 1 or state.embedding_group is None:
         return
-    for param in tied_embedding_params(chunks):
+    params = tied_embedding_params(chunks)
+    if len(params) == 2:  # the V: the embedding (chunk 0) and the head's copy (chunk 1) are both here
+        first, second = (grad_of(p) for p in params)
+        first.add_(second)
+        second.copy_(first)
+        return
+    for param in params:
         dist.all_reduce(grad_of(param), group=state.embedding_group)

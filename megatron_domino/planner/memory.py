@@ -25,9 +25,12 @@ Mixture of experts: a rank holds its ep share of the experts, whose ZeRO shards 
 
 Activations per token: ``planner/activations.py``, tensor by tensor for this code.
 
-In flight: a rank holds the activations of every micro-batch whose forward has run and backward has
-not. 1F1B: min(pp - rank, m) on rank ``rank``; interleaved: Megatron's warm-up count + 1 chunk-micro-
-batches (``pipeline.schedules.interleaved_warmup``), each sized by the rank's largest chunk.
+In flight (``pipeline_model.in_flight``, the simulator's peaks): micro-batches, or chunk-micro-batches with several
+chunks per rank, each sized by the rank's largest chunk (under the V rank 0 holds the first stage and the last,
+with the loss's transient; at most pp/2 of its chunk-micro-batches are the last stage's, so it is an upper bound
+there). Not counted yet: the gradients a split backward records in I and holds until W
+(``pipeline/split_backward.py``): a rehearsal of GPT 1.3B at pp 4, m 8 (``tools/rehearse.py``) measured ZB-H1's
+and ZB-V's ranks 1-3 at about twice the activations counted here.
 
 Transient peaks: when the loss's forward computes its softmax it holds the logits (e), one fp32 copy of
 them (16-bit runs, or the masked copy of padded vocabularies: the masked one replaces the plain fp32 copy,
@@ -45,11 +48,12 @@ from functools import cache, wraps
 from ..config.schema import Config
 from ..models.counters import mtp_module_parameters, norm_parameters
 from ..optim.grad_buffer import IN_FLIGHT
-from ..pipeline.schedules import chunk_stage, interleaved_warmup, schedule_kind
+from ..pipeline.schedules import chunk_stage, v_shape
 from ..pipeline.stages import layer_partition
 from .activations import chunk_activation_bytes, loss_transient_bytes, recompute_working_bytes, weight_bytes
 from .context_parallel import context_parallel_transient_bytes
 from .hardware import GPU
+from .pipeline_model import in_flight
 from .moe import expert_replicas, layer_parameters, whole_experts
 
 GIB = 2**30
@@ -66,7 +70,7 @@ class StageMemory:
     activations: float  # all micro-batches in flight
     transient: float
     overhead: float
-    in_flight: int  # micro-batches (chunk-micro-batches when interleaved) whose activations are held
+    in_flight: int  # micro-batches (chunk-micro-batches with several chunks per rank) whose activations are held
     host: float = 0.0  # optimizer state offloaded to host memory (optimizer.offload), not on the GPU
 
     @property
@@ -94,15 +98,15 @@ def _model_key(model) -> tuple:
 
 
 def per_model_layout(fn):
-    """Memoise ``fn(cfg)``, a function of the model, its pipeline split and tp / ep only: a search asks for the same few
-    values thousands of times. Results are shared, so they are tuples."""
+    """Memoise ``fn(cfg)``, a function of the model, its pipeline split and placement (the V or not) and tp / ep only:
+    a search asks for the same few values thousands of times. Results are shared, so they are tuples."""
     results: dict = {}
 
     @wraps(fn)
     def memoised(cfg: Config):
         par = cfg.parallel
         key = (_model_key(cfg.model), par.tp, par.pp, par.ep, par.expert_tp, par.virtual_pp, par.pipeline_partition,
-               tuple(par.pipeline_layout or ()))
+               tuple(par.pipeline_layout or ()), v_shape(par.pipeline_schedule))  # the V places chunks otherwise
         if key not in results:
             results[key] = fn(cfg)
         return results[key]
@@ -258,20 +262,6 @@ def gathered_window(cfg: Config, rank: int) -> float:
     depth = 1 + cfg.optimizer.prefetch_depth
     return max((sum(order[i:i + depth]) for order in gather_units(cfg)[rank] for i in range(len(order))),
                default=0.0)
-
-
-def in_flight(cfg: Config, dp: int) -> list[int]:
-    """Micro-batches (chunk-micro-batches when interleaved) whose activations each pipeline rank holds at its peak."""
-    pp, v = cfg.parallel.pp, cfg.parallel.virtual_pp
-    m = cfg.train.num_microbatches(dp)
-    kind = schedule_kind(pp, v, cfg.parallel.pipeline_schedule)
-    if kind == "none":
-        return [1]
-    if kind == "1f1b":
-        return [min(pp - rank, m) for rank in range(pp)]
-    if kind == "zb-h1":  # each rank holds a micro-batch from F to W: 1F1B's peak, on every rank
-        return [min(pp, m)] * pp
-    return [min(interleaved_warmup(pp, rank, m, v) + 1, m * v) for rank in range(pp)]
 
 
 # ----- the estimate ------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The planner's ranked table, as plain text a person can paste into a note.
 
-cp-comm says how each layout's context parallelism communicates (``parallel.cp_comm``). MoE models get two
-more columns, ep and the exposed all-to-all time; a dense model's table has neither."""
+sched is each layout's pipeline schedule (``parallel.pipeline_schedule``), cp-comm how its context parallelism
+communicates (``parallel.cp_comm``). MoE models get two more columns, ep and the exposed all-to-all time; a dense
+model's table has neither."""
 from __future__ import annotations
 
 from .memory import GIB
@@ -9,8 +10,8 @@ from .search import Estimate
 
 
 def _header(unit: str, moe: bool) -> str:
-    return (f"   #  tp  cp  pp   dp {'  ep ' if moe else ''}  v mbs recompute zero    tp-comm   cp-comm    | "
-            f"{unit}/GPU = params  "
+    return (f"   #  tp  cp  pp   dp {'  ep ' if moe else ''}  v sched       mbs recompute zero    tp-comm   "
+            f"cp-comm    | {unit}/GPU = params  "
             f"grads  optim    act  other |  step s  bubble  tp-exp  cp-exp {' ep-a2a ' if moe else ''}  pp+dp |   "
             "tokens/s   MFU")
 
@@ -22,7 +23,8 @@ def format_row(index: int, est: Estimate, scale: float = GIB, moe: bool = False)
     ep = f"{lay.ep:>4} " if moe else ""
     a2a = f"{time.ep_exposed:>7.3g} " if moe else ""
     pp_dp = time.pp_comm + time.dp_exposed + time.host_exposed
-    return (f"{index:>4} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.dp:>4} {ep}{lay.virtual_pp:>3} {lay.micro_batch:>3} "
+    return (f"{index:>4} {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.dp:>4} {ep}{lay.virtual_pp:>3} "
+            f"{lay.schedule_mode:<11} {lay.micro_batch:>3} "
             f"{lay.recompute:<9} {lay.zero_mode:<7} {lay.tp_mode:<9} {lay.cp_mode:<10} | {mem.total / scale:>7.1f} = "
             f"{mem.params / scale:>6.1f} {mem.grads / scale:>6.1f} {mem.optimizer / scale:>6.1f} "
             f"{mem.activations / scale:>6.1f} {other / scale:>6.1f} | {time.total:>7.4g} {time.bubble:>7.3g} "
@@ -39,6 +41,8 @@ def format_table(estimates: list[Estimate], shown: list[Estimate], moe: bool = F
              + ("" if fitting else " (none fit: the nearest misses follow)") + ".", _header(unit, moe)]
     lines += [format_row(i + 1, est, scale, moe) for i, est in enumerate(shown)]
     lines.append(f"{unit}/GPU: the pipeline rank with the most memory; other = transient peaks + fixed overhead. "
+                 "sched: the pipeline schedule (parallel.pipeline_schedule; - without a pipeline), bubble its closed "
+                 "form. "
                  "tp-comm: domino = TP all-reduces overlapped by Domino, sp = sequence parallel "
                  "(sp+domino: both), - = no TP. cp-comm: ring, a2a (all-to-alls over the heads) or a2aN+ring "
                  "(all-to-alls in groups of N CP ranks, a ring across them). cp-exp: the ring's K/V transfers not "

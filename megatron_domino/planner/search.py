@@ -1,16 +1,22 @@
 """Enumerate every valid layout for a cluster, estimate each, and rank them.
 
-A layout is (tp, cp, pp, dp, virtual pp, micro batch, recompute, ZeRO stage) plus how TP communicates:
-Domino's overlap, sequence parallelism, or both; how CP does (``parallel.cp_comm``: the ring, the all-to-all, and
-a2a+ring with each all-to-all group size that divides cp, where ``check_context_parallel`` accepts them); and for
-an MoE model the expert-parallel size ep. Two memory savers are tried on every layout that does not fit as it is
-(``with_savers``): the optimizer offloaded to the host (ZeRO >= 1) and, at ZeRO-3, no prefetch (one gathered layer
-fewer), alone and together; a layout that fits never gets them (they only cost time). Context-parallel sizes are
-those whose 2*cp chunks split the sequence evenly (ring attention's load balance); ep sizes divide dp and the
-number of experts. ``validate_config`` (without file checks) passes one layout of each (tp, cp, pp, CP comm) and
-every layout shown or emitted, so the planner never suggests a layout the trainer would refuse. Ranking: layouts
-that fit first, fastest first (ties within 3 significant digits go to the one with less memory); then the ones
-that do not fit, smallest memory first (the nearest misses say what to change).
+A layout (``layout.py``) is (tp, cp, pp, dp, virtual pp, pipeline schedule, micro batch, recompute, ZeRO stage)
+plus how TP communicates: Domino's overlap, sequence parallelism, or both; how CP does (``parallel.cp_comm``: the
+ring, the all-to-all, and a2a+ring with each all-to-all group size that divides cp, where
+``check_context_parallel`` accepts them); and for an MoE model the expert-parallel size ep. The schedule
+(``schedule_choices``): at pp > 1, the config's default (1f1b at virtual pp 1, interleaved above); the split-backward
+schedules (zb-h1 at 1, zb-v and dualpipev at 2) only when ``only`` names schedules (``tools/plan.py --schedule``),
+since the memory model does not yet count the output gradients a split backward holds from I to W (the rehearsal
+measured up to twice the activations at pp 4), each where ``check_schedule`` passes for the layout's
+micro-batches; a config that sets ``parallel.pipeline_schedule`` fixes it for every layout. Two memory savers are
+tried on every layout that does not fit as it is (``with_savers``): the optimizer offloaded to the host (ZeRO >= 1)
+and, at ZeRO-3, no prefetch (one gathered layer fewer), alone and together; a layout that fits never gets them
+(they only cost time).
+Context-parallel sizes are those whose 2*cp chunks split the sequence evenly (ring attention's load balance); ep
+sizes divide dp and the number of experts. ``validate_config`` (without file checks) passes one layout of each (tp,
+cp, pp, CP comm) and every layout shown or emitted, so the planner never suggests a layout the trainer would
+refuse. Ranking: layouts that fit first, fastest first (ties within 3 significant digits go to the one with less
+memory); then the ones that do not fit, smallest memory first (the nearest misses say what to change).
 """
 from __future__ import annotations
 
@@ -28,84 +34,14 @@ from ..pipeline.partition import check_partition
 from ..pipeline.schedules import check_schedule
 from ..validation import validate_config
 from .hardware import GPU
+from .layout import Layout, updated
 from .memory import StageMemory, estimate_memory
 from .timing import StepTime, TimingAssumptions, estimate_step_time, model_flops_per_step
 
 MICRO_BATCHES = (1, 2, 4, 8)
 MAX_TP = 64
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    dp: int
-    virtual_pp: int
-    micro_batch: int
-    recompute: str
-    zero_stage: int
-    sequence_parallel: bool
-    domino: bool
-    cp: int = 1
-    ep: int = 1  # expert parallel: data-parallel ranks that share out the experts (MoE models only)
-    offload: bool = False  # optimizer.offload=cpu (the config's offload_fraction)
-    prefetch_depth: int = 1  # ZeRO-3's layers gathered ahead
-    cp_comm: str = "ring"  # how attention spans the CP ranks (parallel.cp_comm; moot at cp 1)
-    cp_a2a_size: int | None = None  # a2a+ring: CP ranks per all-to-all group
-
-    @property
-    def zero_mode(self) -> str:
-        """The ZeRO stage with its savers, e.g. '3', '3p0' (no prefetch), '1+cpu' (offloaded)."""
-        prefetch = f"p{self.prefetch_depth}" if self.zero_stage == 3 and self.prefetch_depth != 1 else ""
-        return f"{self.zero_stage}{prefetch}{'+cpu' if self.offload else ''}"
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
-
-    @property
-    def tp_mode(self) -> str:
-        domino = self.domino and self.tp > 1
-        return "sp+domino" if self.sequence_parallel and domino else "sp" if self.sequence_parallel else \
-            "domino" if domino else "-"
-
-    @property
-    def cp_mode(self) -> str:
-        """'ring', 'a2a' or 'a2a4+ring' (all-to-alls in groups of 4, a ring across them); '-' without CP."""
-        if self.cp == 1:
-            return "-"
-        return f"a2a{self.cp_a2a_size}+ring" if self.cp_comm == "a2a+ring" else self.cp_comm
-
-    def overrides(self) -> list[str]:
-        """The layout as ``section.key=value`` overrides for the loader and the entry points."""
-        flag = lambda v: "true" if v else "false"  # noqa: E731
-        return [f"parallel.tp={self.tp}", f"parallel.cp={self.cp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}",
-                f"parallel.ep={self.ep}", f"parallel.virtual_pp={self.virtual_pp}",
-                f"parallel.cp_comm={self.cp_comm}", f"parallel.cp_a2a_size={self.cp_a2a_size or 'null'}",
-                f"parallel.sequence_parallel={flag(self.sequence_parallel)}",
-                f"parallel.domino={flag(self.domino)}", f"train.micro_batch_size={self.micro_batch}",
-                f"model.recompute={self.recompute}", f"optimizer.zero_stage={self.zero_stage}",
-                f"optimizer.offload={'cpu' if self.offload else 'null'}",
-                f"optimizer.prefetch_depth={self.prefetch_depth}"]
-
-    def apply(self, cfg: Config) -> Config:
-        return _updated(cfg,
-                        model=_updated(cfg.model, recompute=self.recompute),
-                        parallel=_updated(cfg.parallel, tp=self.tp, cp=self.cp, pp=self.pp, dp=self.dp, ep=self.ep,
-                                          virtual_pp=self.virtual_pp, sequence_parallel=self.sequence_parallel,
-                                          domino=self.domino, pipeline_layout=None, cp_comm=self.cp_comm,
-                                          cp_a2a_size=self.cp_a2a_size),
-                        train=_updated(cfg.train, micro_batch_size=self.micro_batch),
-                        optimizer=_updated(cfg.optimizer, zero_stage=self.zero_stage,
-                                           prefetch_depth=self.prefetch_depth, offload="cpu" if self.offload else None))
-
-
-def _updated(section, **changes):
-    """``dataclasses.replace`` for the config's plain dataclasses without re-running ``__init__``: ten times
-    faster, and a search applies tens of thousands of layouts."""
-    new = object.__new__(type(section))
-    new.__dict__.update(vars(section), **changes)
-    return new
+SCHEDULES = {1: ("1f1b", "zb-h1"), 2: ("interleaved", "zb-v", "dualpipev")}  # pp > 1, by virtual pp; else interleaved
+UNASKED = (None,)  # when none is asked for: the trainer's own choice, 1f1b or interleaved by virtual pp
 
 
 @dataclass(frozen=True)
@@ -149,9 +85,11 @@ def candidate_layouts(cfg: Config, world_size: int, only: dict[str, Iterable] | 
         for cp in [c for c in divisors(world_size // tp) if (c == 1 or seq % (2 * c) == 0) and allowed("cp", c)]:
             for pp, comm in product([p for p in divisors(world_size // (tp * cp)) if p <= layers and allowed("pp", p)],
                                     _cp_comms(cfg, tp, cp, allowed)):
-                virtual = [v for v in range(1, layers // pp + 1) if _pipeline_fits(cfg, pp, v)]
-                variants = [lay for v in virtual if allowed("virtual_pp", v)
-                            for lay in _variants(cfg, tp, cp, pp, world_size // (tp * cp * pp), v, allowed, comm)]
+                pipelines = [(v, kind) for v in range(1, layers // pp + 1) if allowed("virtual_pp", v)
+                             for kind in schedule_choices(cfg, pp, v, "schedule" in only)
+                             if (kind is None or allowed("schedule", kind)) and _pipeline_fits(cfg, pp, v, kind)]
+                variants = [lay for v, kind in pipelines for lay in
+                            _variants(cfg, tp, cp, pp, world_size // (tp * cp * pp), v, allowed, comm, kind)]
                 if variants and is_valid(cfg, replace(variants[0], recompute=cfg.model.recompute,
                                                       zero_stage=cfg.optimizer.zero_stage)):
                     found += variants
@@ -165,24 +103,36 @@ def _cp_comms(cfg: Config, tp: int, cp: int, allowed) -> list[tuple[str, int | N
     if cp == 1:
         return [("ring", None)]
     choices = [("ring", None), ("a2a", None)] + [("a2a+ring", n) for n in divisors(cp) if 1 < n < cp]
-    par = lambda comm, n: _updated(cfg.parallel, tp=tp, cp=cp, cp_comm=comm, cp_a2a_size=n)  # noqa: E731
+    par = lambda comm, n: updated(cfg.parallel, tp=tp, cp=cp, cp_comm=comm, cp_a2a_size=n)  # noqa: E731
     return [(comm, n) for comm, n in choices if allowed("cp_comm", comm) and allowed("cp_a2a_size", n)
-            and _passes(check_context_parallel, _updated(cfg, parallel=par(comm, n)))]
+            and _passes(check_context_parallel, updated(cfg, parallel=par(comm, n)))]
 
 
-def _pipeline_fits(cfg: Config, pp: int, v: int, num_microbatches: int | None = None) -> bool:
+def schedule_choices(cfg: Config, pp: int, v: int, asked: bool = False) -> tuple[str | None, ...]:
+    """The pipeline schedules tried at pp x virtual pp ``v`` (see the module docstring): the config's where it sets
+    one, none to choose without a pipeline; the split-backward ones when ``asked``; ``_pipeline_fits`` and
+    ``_batch_fits`` drop those its rules refuse."""
+    if cfg.parallel.pipeline_schedule is not None:
+        return (cfg.parallel.pipeline_schedule,)
+    if pp == 1:
+        return (None,)
+    return SCHEDULES.get(v, ("interleaved",)) if asked else UNASKED
+
+
+def _pipeline_fits(cfg: Config, pp: int, v: int, schedule: str | None, num_microbatches: int | None = None) -> bool:
     """The pipeline's own rules (``check_partition``, ``check_schedule``), as validate_config applies them."""
     p = cfg.parallel
     return (_passes(check_partition, cfg.model.num_layers, pp, v, p.pipeline_partition, p.pipeline_layout)
-            and _passes(check_schedule, pp, v, num_microbatches, p.pipeline_schedule))
+            and _passes(check_schedule, pp, v, num_microbatches, schedule))
 
 
 def _variants(cfg: Config, tp: int, cp: int, pp: int, dp: int, v: int, allowed,
-              comm: tuple[str, int | None] = ("ring", None)) -> list[Layout]:
-    """The micro batch, TP communication, recompute and ZeRO choices of one (tp, cp, pp, dp, virtual pp, CP comm),
-    filtered by the rules that tell them apart (each the function ``validate_config`` calls)."""
+              comm: tuple[str, int | None] = ("ring", None), schedule: str | None = None) -> list[Layout]:
+    """The micro batch, TP communication, recompute and ZeRO choices of one (tp, cp, pp, dp, virtual pp, CP comm,
+    schedule), filtered by the rules that tell them apart (each the function ``validate_config`` calls)."""
     batch, seq = cfg.train.global_batch_size, cfg.model.seq_length
-    micro = [b for b in MICRO_BATCHES if allowed("micro_batch", b) and _batch_fits(cfg, pp, v, batch, b, dp)]
+    micro = [b for b in MICRO_BATCHES
+             if allowed("micro_batch", b) and _batch_fits(pp, v, schedule, batch, b, dp)]
     modes = [(sp, domino) for sp, domino in _tp_modes(tp, cfg.parallel.domino)
              if (not sp or _passes(check_sequence_split, seq, tp, cp))
              and allowed("sequence_parallel", sp) and allowed("domino", domino)]
@@ -192,7 +142,8 @@ def _variants(cfg: Config, tp: int, cp: int, pp: int, dp: int, v: int, allowed,
         ep == 1 if not cfg.model.num_experts
         else _passes(check_expert_split, cfg.model.num_experts, ep, tp, cfg.parallel.expert_tp))]
     offload, prefetch = bool(cfg.optimizer.offload), cfg.optimizer.prefetch_depth
-    return [Layout(tp, pp, dp, v, b, recompute, zero, sp, domino, cp, ep, offload and zero > 0, prefetch, *comm)
+    return [Layout(tp, pp, dp, v, b, recompute, zero, sp, domino, cp, ep, offload and zero > 0, prefetch, *comm,
+                   schedule)
             for b, (sp, domino), recompute, zero, ep in product(micro, modes, RECOMPUTE, stages, eps)
             if allowed("recompute", recompute)]
 
@@ -211,11 +162,10 @@ def _passes(rule, *args) -> bool:
     return not c.problems
 
 
-def _batch_fits(cfg: Config, pp: int, v: int, batch: int, micro: int, dp: int) -> bool:
+def _batch_fits(pp: int, v: int, schedule: str | None, batch: int, micro: int, dp: int) -> bool:
     """Whole micro batches per DP rank, as many as the schedule needs."""
     micro_batches = check_batch(Checks(), batch, micro, dp)
-    return micro_batches is not None and _passes(check_schedule, pp, v, micro_batches,
-                                                 cfg.parallel.pipeline_schedule)
+    return micro_batches is not None and _passes(check_schedule, pp, v, micro_batches, schedule)
 
 
 def first_valid(cfg: Config, estimates: Iterable[Estimate], count: int) -> list[Estimate]:

@@ -24,9 +24,14 @@ Context parallelism (``context_parallel.py``): per layer, the ring's K/V transfe
 not hide, and the all-to-alls of a2a and a2a+ring (exposed, but for ``a2a_hidden``), each over its group's link
 with a latency per message. The dp x cp gradient reduction is under data parallelism below.
 
-Pipeline. 1F1B's bubble is (pp - 1) / virtual_pp micro-batch times (Narayanan et al. 2021). Each
-micro-batch crosses virtual_pp stage boundaries, receiving its activation forward and its gradient
-backward ([micro batch, s / cp / (tp if SP), h] per rank), fully exposed.
+Pipeline. The bubble is the schedule's closed form in micro-batch times of the slowest rank (``pipeline_model.py``:
+pp - 1 for 1F1B, (pp - 1)/v interleaved, (pp - 1)/3 ZB-H1, (pp - 1)/6 ZB-V, (7pp - 5)/6 DualPipeV), each such
+time being that rank's compute and exposed communication of one micro-batch. Transfers: every chunk of a rank
+receives its activation forward and its gradient backward ([micro batch, s / cp / (tp if SP), h]), its sends
+going out in the same batched groups, so a rank spends 2 virtual_pp transfers per micro-batch, fully exposed. A
+micro-batch crosses v pp - 1 rank boundaries each way when interleaved and 2pp - 2 in the V (zb-v, dualpipev: the
+turn on rank pp - 1 is local), but the V's middle ranks still receive into both chunks: the busiest rank's count
+is the same.
 
 Expert parallelism (MoE, ``moe.py``). The all-to-alls that carry tokens to their experts' ranks and back, on
 the slowest pipeline rank's MoE layers, at the ep group's link (ep consecutive dp ranks), fully exposed.
@@ -38,8 +43,9 @@ parameters: over their dp*cp/ep replicas, every ep-th dp rank, and that group's 
 (at most its length); the weight all-gather follows the optimizer step and is exposed. ZeRO-2 and 3
 reduce-scatter in every micro-batch's backward instead. ZeRO-3 gathers no weights after the step but
 all-gathers each layer's in every micro-batch: once in forward and once in backward (``reshard_after_forward``;
-ZB-H1's W gathers a third time), while the previous layer computes (``prefetch_depth`` >= 1): only what
-exceeds the micro-batch's compute, and the first layer's gather, are exposed; without prefetch all of it.
+a split backward's W gathers a third time: every backward of ZB-H1 and ZB-V, a share pp / m of DualPipeV's),
+while the previous layer computes (``prefetch_depth`` >= 1): only what exceeds the micro-batch's compute, and
+the first layer's gather, are exposed; without prefetch all of it.
 The optimizer step itself (memory bound) is not counted on the device.
 
 CPU offload (``optimizer.offload``). The offloaded share of the rank's shard crosses PCIe twice (the fp32
@@ -58,10 +64,11 @@ from itertools import product
 from ..config.schema import Config
 from ..models.counters import flops_per_token
 from ..parallel.topology import Topology
-from ..pipeline.schedules import chunk_stage
+from ..pipeline.schedules import chunk_stage, schedule_kind
 from .context_parallel import Link, context_parallel_seconds
 from .hardware import GPU
 from .memory import per_model_layout, rank_parameter_split, stage_layers, weight_bytes
+from .pipeline_model import pipeline_bubble
 from .moe import all_to_all_seconds, expert_replicas, expert_sharers, one_layer_model
 
 
@@ -226,9 +233,11 @@ def estimate_step_time(cfg: Config, dp: int, gpu: GPU, gpus_per_node: int,
     passes = m if cfg.optimizer.zero_stage >= 2 else 1
     overlap = min(reduce, compute_mb * 2 / 3) if cfg.optimizer.overlap_grad_reduce else 0.0
     if layer_gathers:
-        gather += m * _exposed_layer_gathers(cfg, layer_gathers, compute_mb, len(layers))
+        gather += m * _exposed_layer_gathers(cfg, layer_gathers, compute_mb, len(layers), m)
 
-    return StepTime(compute=m * compute_mb, bubble=(par.pp - 1) / par.virtual_pp * per_microbatch,
+    kind = schedule_kind(par.pp, par.virtual_pp, par.pipeline_schedule)
+    bubble = pipeline_bubble(kind, par.pp, m, par.virtual_pp) * per_microbatch
+    return StepTime(compute=m * compute_mb, bubble=bubble,
                     tp_exposed=m * (1 - hidden) * tp_mb, tp_hidden=m * hidden * tp_mb,
                     cp_exposed=m * cp_exposed, cp_hidden=m * cp_hidden, pp_comm=m * pp_mb,
                     ep_exposed=m * ep_mb, dp_exposed=passes * (reduce - overlap) + gather,
@@ -246,11 +255,13 @@ def _exposed_host_step(cfg: Config, shard: float, compute_mb: float, assumptions
     return max(0.0, host - compute_mb / 3) if opt.overlap_offload_step else host
 
 
-def _exposed_layer_gathers(cfg: Config, once: float, compute_mb: float, layers: int) -> float:
+def _exposed_layer_gathers(cfg: Config, once: float, compute_mb: float, layers: int, m: int) -> float:
     """ZeRO-3's exposed weight all-gather seconds per micro-batch, ``once`` being one gather of every weight of
-    the rank (see the module docstring)."""
-    opt = cfg.optimizer
-    passes = (2 if opt.reshard_after_forward else 1) + (cfg.parallel.pipeline_schedule == "zb-h1")
+    the rank, ``m`` micro-batches per step (see the module docstring)."""
+    opt, par = cfg.optimizer, cfg.parallel
+    kind = schedule_kind(par.pp, par.virtual_pp, par.pipeline_schedule)
+    split = {"zb-h1": 1.0, "zb-v": 1.0, "dualpipev": min(1.0, par.pp / m)}
+    passes = (2 if opt.reshard_after_forward else 1) + split.get(kind, 0.0)  # W re-gathers what it split off
     if opt.prefetch_depth == 0:
         return passes * once
     first = once / (layers + 2)  # the first unit of each pass (blocks, embedding and head)

@@ -23,7 +23,6 @@ from ..config import ConfigError, load_config
 from ..validation import validate_config
 from ..parallel.launch import device_type_for, launched_rank, launched_world_size
 from ..parallel.topology import Topology
-from ..pipeline.schedules import refuse_unrunnable
 
 
 def parse_args(argv, family: str):
@@ -60,11 +59,6 @@ def main(argv=None, family: str = "GPT") -> int:
     if args.print_schedule:  # the run's own schedule: its kind, and micro-batches per DP rank as the trainer counts
         from ..pipeline.print_schedule import show_run
         return show_run(cfg.parallel, cfg.train.num_microbatches(Topology.from_config(cfg.parallel, world).dp))
-    try:
-        refuse_unrunnable(cfg.parallel)
-    except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
-        return 2
     from .trainer import run
     try:
         run(cfg, eval_only=args.eval_only)

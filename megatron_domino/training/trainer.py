@@ -22,8 +22,7 @@ from ..optim import LRSchedule
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..parallel import Topology, init_distributed
 from ..parallel.attempt import current_attempt
-from ..parallel.launch import collective_timeout_s
-from ..pipeline.schedules import refuse_unrunnable
+from ..parallel.launch import collective_timeout_s, shutdown_distributed
 from ..parallel.random import RNGTracker
 from ..parallel.state import ParallelState
 from ..pipeline.engine import PipelineEngine
@@ -51,7 +50,6 @@ class Trainer:
         ``print_rank_map`` False skips gathering the host names for the start-up rank map (a rehearsal,
         whose fake process group moves no data, prints its own)."""
         self.cfg, par, timeout_s = cfg, cfg.parallel, collective_timeout_s(cfg.parallel)
-        refuse_unrunnable(par)
         self.device = init_distributed(par.backend, timeout_s)
         topology = Topology.from_config(par, dist.get_world_size())
         self.state = ParallelState(topology, self.device, timeout_s, strict=par.strict_transport)
@@ -290,3 +288,4 @@ def run(cfg, eval_only: bool = False) -> None:
               + (f" | tensorboard: {os.path.join(cfg.log.dir, 'tensorboard')}" if cfg.log.tensorboard else ""),
               flush=True)
     trainer.close()
+    shutdown_distributed()

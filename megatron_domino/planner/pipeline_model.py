@@ -1,0 +1,63 @@
+"""The pipeline schedules as the planner models them: each one's bubble and its activations in flight.
+
+Both are the schedules' closed forms (``pipeline/schedules.py``), which the simulator (``pipeline/simulate.py``)
+confirms with uniform stages and F : I : W = 1 : 1 : 1 per chunk (F 1, B 2); ``tests/test_planner.py`` holds them
+to it. m: micro-batches per step and DP rank; v: model chunks per rank.
+
+Bubble, in micro-batch times of one rank (all its chunks' F, I and W): the closed form's idle units over one
+micro-batch's units on a rank.
+- 1F1B (pp - 1)/(m + pp - 1): 3 (pp - 1) idle of 3 a micro-batch, pp - 1 (Narayanan et al. 2021);
+- interleaved (pp - 1)/(v m + pp - 1): 3 (pp - 1) of 3 v, (pp - 1)/v;
+- ZB-H1 (pp - 1)/(3m + pp - 1): pp - 1 of 3, (pp - 1)/3; with m < pp the cool-down lacks W's to fill it, pp - m
+  units more (the simulator's);
+- ZB-V (pp - 1)/(6m + pp - 1), m >= pp: pp - 1 of 6 (two half-stage chunks), (pp - 1)/6;
+- DualPipeV (7pp - 5)/(6m + 7pp - 5), m >= 2pp: (7pp - 5)/6, its F&B units credited no overlap (our executor
+  runs the halves in sequence).
+
+In flight: a rank holds the activations of every micro-batch whose forward has run and backward has not (a split
+backward: until its W). 1F1B: min(pp - rank, m) on rank ``rank``; ZB-H1: min(pp, m) on every rank; interleaved:
+Megatron's warm-up count + 1 chunk-micro-batches (``pipeline.schedules.interleaved_warmup``); on every rank of the
+V, ZB-V 2pp chunk-micro-batches (pp micro-batches of whole stages, 1F1B's rank-0 peak) and DualPipeV 2pp + 1 (an
+F&B unit's forward before its backward frees the other's), each at most 2m.
+"""
+from __future__ import annotations
+
+from ..config.schema import Config
+from ..pipeline.schedules import interleaved_warmup, schedule_kind
+
+
+def pipeline_bubble(kind: str, pp: int, m: int, virtual_pp: int = 1) -> float:
+    """The bubble of schedule ``kind`` in micro-batch times of one rank (all its chunks' F, I and W; see the module
+    docstring): its closed form's idle units over one micro-batch's units on a rank."""
+    if kind == "none":
+        return 0.0
+    if kind == "1f1b":  # F + B = 3 units per micro-batch, 3 (pp - 1) idle
+        return pp - 1.0
+    if kind == "interleaved":  # 3 v units per micro-batch, 3 (pp - 1) idle
+        return (pp - 1) / virtual_pp
+    if kind == "zb-h1":  # 3 units, pp - 1 idle; with m < pp the cool-down lacks W's: pp - m more
+        return (pp - 1 + max(0, pp - m)) / 3
+    if kind == "zb-v":  # 2 chunks x 3 units, pp - 1 idle (m >= pp)
+        return (pp - 1) / 6
+    if kind == "dualpipev":  # 6 units, 7 pp - 5 idle (m >= 2 pp; F&B credited no overlap)
+        return (7 * pp - 5) / 6
+    raise ValueError(f"unknown pipeline schedule {kind!r}")
+
+
+def in_flight(cfg: Config, dp: int) -> list[int]:
+    """Micro-batches (chunk-micro-batches with several chunks per rank) whose activations each pipeline rank holds at
+    its peak (see the module docstring)."""
+    pp, v = cfg.parallel.pp, cfg.parallel.virtual_pp
+    m = cfg.train.num_microbatches(dp)
+    kind = schedule_kind(pp, v, cfg.parallel.pipeline_schedule)
+    if kind == "none":
+        return [1]
+    if kind == "1f1b":
+        return [min(pp - rank, m) for rank in range(pp)]
+    if kind == "zb-h1":  # each rank holds a micro-batch from F to W: 1F1B's peak, on every rank
+        return [min(pp, m)] * pp
+    if kind == "zb-v":  # 2 pp half-stages: pp micro-batches' worth, on every rank
+        return [min(2 * pp, 2 * m)] * pp
+    if kind == "dualpipev":  # an F&B unit holds its forward's before its backward frees the other's: one more
+        return [min(2 * pp + 1, 2 * m)] * pp
+    return [min(interleaved_warmup(pp, rank, m, v) + 1, m * v) for rank in range(pp)]
