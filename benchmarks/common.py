@@ -172,6 +172,8 @@ def read_json(path: str):
 def run_harness(args, worker, drive) -> None:
     """A harness script is both the driver (launches its jobs) and, with --worker, one rank of a job."""
     if args.worker:
+        from megatron_domino.parallel.launch import shutdown_distributed
         worker(args)
+        shutdown_distributed()
     else:
         drive(args)

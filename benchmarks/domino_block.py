@@ -31,6 +31,7 @@ from megatron_domino.domino.order import forward_order
 from megatron_domino.domino.plan import COMPARED_PLANS
 from megatron_domino.models import TransformerBlock, initialize_weights
 from megatron_domino.models.tokens import NO_CONTEXT
+from megatron_domino.parallel.launch import shutdown_distributed
 from megatron_domino.tensor_parallel import LayerContext
 
 from common import tp_communication_skipped
@@ -103,14 +104,15 @@ def main() -> None:
             times[mode].append(time_mode(stacks[mode], x, grad, mode, args.forward_only))
     if rank == 0:
         report(times, args, tp)
+    shutdown_distributed()
 
 
 def report(times, args, tp) -> None:
     median = {mode: statistics.median(values) for mode, values in times.items()}
     t_sync, t_free = median["sync"], median["nocomm"]
     exposed = t_sync - t_free
-    print(f"TP={tp} block stack {'fwd' if args.forward_only else 'fwd+bwd'}: layers {args.layers}, hidden {args.hidden}, seq {args.seq}, "
-          f"batch {args.batch}, {args.rounds} rounds (median)")
+    print(f"TP={tp} block stack {'fwd' if args.forward_only else 'fwd+bwd'}: layers {args.layers}, "
+          f"hidden {args.hidden}, seq {args.seq}, batch {args.batch}, {args.rounds} rounds (median)")
     print(f"communication share of sync step time: {exposed / t_sync:.1%}")
     print(f"{'mode':<10} {'time ms':>9} {'speed-up':>9} {'hidden':>8}")
     rows = []

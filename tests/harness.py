@@ -40,7 +40,8 @@ def _rank_main(fn, rank, world_size, port, results, args, env):
         install_collective_checks()  # NCCL's device rules at every collective (tests/conftest.py)
         value = fn(rank, world_size, *args)
         results.put((rank, "ok", value))
-        dist.destroy_process_group()
+        if dist.is_initialized():  # trainer.run() and the generation tools end the group themselves
+            dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - any failure is reported to the parent, then the rank dies
         results.put((rank, "error", traceback.format_exc()))
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..config.errors import KnownError
 from ..models.stage_chunks import build_chunks
 from ..parallel import Topology, init_distributed
-from ..parallel.launch import collective_timeout_s, launched_world_size
+from ..parallel.launch import collective_timeout_s, launched_world_size, shutdown_distributed
 from ..parallel.random import RNGTracker
 from ..parallel.state import ParallelState
 from ..pipeline.stages import chunk_places
@@ -89,3 +89,4 @@ def loaded_model(cfg, step_dir: str):
         yield model
     finally:
         state.destroy()
+    shutdown_distributed()  # only when the block went well: a failed rank must not wait in a barrier

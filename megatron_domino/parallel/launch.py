@@ -105,9 +105,11 @@ def collective_timeout_s(parallel) -> float:
 
 def shutdown_distributed() -> None:
     """The end of a run that went well: every rank waits for the others, then the default group is torn down
-    before the interpreter exits. Left to the interpreter's exit, the group's threads are torn down in no fixed
-    order while peers may still be talking (a 4-rank --eval-only once died there with SIGABRT, "terminate called
-    without an active exception"), and NCCL warns that the group was never destroyed."""
+    while the interpreter is still whole. Left to the interpreter's exit, gloo's worker thread may still be
+    freeing a finished collective (all_gather_object's tensors hold Python objects): the free takes the GIL,
+    a finalizing interpreter ends the thread inside that noexcept destructor, and the rank dies with SIGABRT,
+    "terminate called without an active exception" (seen in a core dump of a benchmark's last rank, about one
+    run in four). NCCL warns, too, when its group is never destroyed."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
