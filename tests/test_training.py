@@ -103,20 +103,24 @@ def assert_bitwise_resume(base: str, resumed: str, steps) -> None:
 
 def test_resume_reshards(tmp_path):
     """Save at pp 2 x dp 2 with ZeRO-1; resume at dp 4 with ZeRO-2, tp 2 x dp 2, and tp 2 x pp 2 with virtual_pp
-    2 (within 1e-5): each rank reads only the slices it needs."""
+    2 (within 1e-5): each rank reads only the slices it needs. Under DualPipeV at the same pp 2 x dp 2 the resume
+    is bitwise: pipeline rank 0 reads the word embedding twice (its tied copy, too)."""
     base = str(tmp_path / "base")
     train("gpt", 4, base, ["train.steps=9", "checkpoint.interval=6", "checkpoint.keep=0", "optimizer.zero_stage=1",
                            "parallel.tp=1", "parallel.pp=2", "parallel.dp=2"])
     reference, step6 = losses(base), os.path.join(base, "checkpoints", "step_00000006")
     for layout in (["parallel.tp=1", "parallel.pp=1", "parallel.dp=4", "optimizer.zero_stage=2"],
                    ["parallel.tp=2", "parallel.pp=1", "parallel.dp=2", "parallel.domino=true"],
-                   ["parallel.tp=2", "parallel.pp=2", "parallel.dp=1", "parallel.virtual_pp=2"]):
+                   ["parallel.tp=2", "parallel.pp=2", "parallel.dp=1", "parallel.virtual_pp=2"],
+                   ["parallel.tp=1", "parallel.pp=2", "parallel.dp=2", "parallel.virtual_pp=2",
+                    "parallel.pipeline_schedule=dualpipev"]):
         run = str(tmp_path / "-".join(layout))
         train("gpt", 4, run, ["train.steps=9", f"checkpoint.load={step6}", "checkpoint.dir=" + run + "/ckpt",
                               "checkpoint.save_at_end=false", *layout])
         moved = losses(run)
         assert sorted(moved) == list(range(7, 10))
-        _assert_close(moved, reference, range(7, 10))
+        exact = "parallel.pipeline_schedule=dualpipev" in layout
+        _assert_close(moved, reference, range(7, 10), tol=0 if exact else TOL)
 
 
 LAYOUT_4 = ["parallel.tp=2", "parallel.pp=2", "parallel.dp=1", "parallel.domino=true"]

@@ -240,11 +240,36 @@ def read(step_dir: str, wanted: dict[str, list[Piece]], group=None, reader: Safe
     if problems:
         raise CheckpointError("checkpoint cannot be read: " + "; ".join(problems[:5])
                               + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+    distinct, copies = _one_destination_per_rectangle(wanted)
     try:
         with _process_mode(alone) as no_dist:
-            dcp.load(wanted, storage_reader=reader, planner=_PieceLoadPlanner(), process_group=group, no_dist=no_dist)
+            dcp.load(distinct, storage_reader=reader, planner=_PieceLoadPlanner(), process_group=group,
+                     no_dist=no_dist)
     except dcp.api.CheckpointException as problem:
         raise CheckpointError(f"checkpoint {step_dir} could not be read: {_first_failure(problem)}") from problem
+    for source, target in copies:
+        target.copy_(source)
+
+
+def _one_destination_per_rectangle(wanted: dict[str, list[Piece]]) -> tuple[dict[str, list[Piece]], list]:
+    """(``wanted`` with each rectangle once, [(the tensor read, another tensor that wants it)]). DCP names a
+    destination by its tensor and offsets, so a second destination of the same rectangle would silently take
+    the first's place and stay unread: the V schedules hold the word embedding and its tied copy on one rank,
+    both read from one stored tensor."""
+    distinct, copies = {}, []
+    for fqn, pieces in wanted.items():
+        first: dict[tuple, Piece] = {}
+        for piece in pieces:
+            key = tuple(piece.offsets)
+            if key not in first:
+                first[key] = piece
+                continue
+            if tuple(first[key].sizes) != tuple(piece.sizes):
+                raise CheckpointError(f"{fqn}: two destinations at {key} differ in size ({first[key].sizes} and "
+                                      f"{piece.sizes}); a tied copy must be split like its original")
+            copies.append((first[key].tensor, piece.tensor))
+        distinct[fqn] = list(first.values())
+    return distinct, copies
 
 
 def _problems_of_every_rank(problems: list[str], group) -> list[str]:
