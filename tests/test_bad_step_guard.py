@@ -124,3 +124,33 @@ def test_a_rerun_tells_a_transient_fault_from_the_data(tmp_path):
     assert record["action"] == "skip" and "reproduced it" in record["problem"]
     with open(tmp_path / "stopped" / "checkpoints" / "latest") as f:
         assert json.load(f)["step"] == BAD_STEP - 1
+
+
+V_SCHEDULE = ["parallel.virtual_pp=2", "parallel.pipeline_schedule=dualpipev"]  # m = 4 = 2 pp
+
+
+def _v_reruns(rank, world_size, run_dir):
+    """Under DualPipeV (split backwards, W's deferred across micro-batches): clean, a transient fault rerun,
+    and the data's fault skipped."""
+    sums = {}
+    for name, poisoned, after in (("v-clean", (), "stop"), ("v-transient", (1,), "stop"), ("v-data", (1, 2), "skip")):
+        trainer, found = _trainer(rank, run_dir, "rerun", name, poisoned,
+                                  [*RERUN, *V_SCHEDULE, f"train.on_bad_step_after_rerun={after}"])
+        assert trainer.engine.stage.v_shape and trainer.engine.holds_loss == (trainer.state.pp_rank == 0)
+        trainer.train()
+        sums[name] = (found, trainer.guard.skipped, trainer.step)
+        trainer.close()
+    return sums
+
+
+def test_the_v_schedules_rerun_a_step_bit_for_bit_and_skip_one(tmp_path):
+    """A rerun starts the step's program again: nothing of the first attempt (a pending W, a held gradient)
+    may leak into it."""
+    results = run_ranks(_v_reruns, 4, str(tmp_path), timeout=400)
+    for rank, sums in enumerate(results):
+        clean, transient, data = sums["v-clean"], sums["v-transient"], sums["v-data"]
+        assert transient == clean and clean[1:] == (0, 5), f"rank {rank}"
+        assert data[1:] == (1, 5) and data[0][BAD_STEP] == data[0][BAD_STEP - 1], f"rank {rank}"
+        assert data[0][BAD_STEP + 1] != data[0][BAD_STEP], f"rank {rank}"
+    (record,) = _bad_steps(tmp_path / "v-transient")
+    assert record["action"] == "transient" and record["step"] == BAD_STEP
