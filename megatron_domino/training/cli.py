@@ -23,12 +23,14 @@ from ..config import ConfigError, load_config
 from ..validation import validate_config
 from ..parallel.launch import device_type_for, launched_rank, launched_world_size
 from ..parallel.topology import Topology
+from .signals import remember_early_warnings
 
 
 def parse_args(argv, family: str):
     parser = argparse.ArgumentParser(description=f"Pretrain a {family} model with megatron_domino.")
     parser.add_argument("--config", required=True, help="YAML config (see configs/)")
-    parser.add_argument("--eval-only", action="store_true", help="load checkpoint.load and evaluate the validation split")
+    parser.add_argument("--eval-only", action="store_true",
+                        help="load checkpoint.load and evaluate the validation split")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate, print the rank map and memory estimate; start no process group")
     parser.add_argument("--world-size", type=int, default=None, help="world size for --dry-run (default: launcher's)")
@@ -38,6 +40,7 @@ def parse_args(argv, family: str):
 
 
 def main(argv=None, family: str = "GPT") -> int:
+    remember_early_warnings()
     args = parse_args(sys.argv[1:] if argv is None else argv, family)
     world = args.world_size or launched_world_size() or 1
     try:
