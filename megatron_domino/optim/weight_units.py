@@ -130,10 +130,12 @@ class WeightUnits:
     def pack(self, tensor: torch.Tensor, outer=None):
         """A tensor autograd saves: a gathered weight (or a view of one) is remembered with its unit; anything
         else goes to the ``outer`` pack hook, if hooks were installed around ours (activation offload, the
-        rehearsal's accounting)."""
+        rehearsal's accounting), or is kept as a detached alias: the tensor itself, where it is its node's own
+        output, would hold that node, a cycle only a whole backward breaks; a split backward's I-only nodes
+        would then never be freed (a leak per micro-batch under zb-h1, zb-v, dualpipev)."""
         unit = self.by_storage.get(_storage_key(tensor))
         if unit is None:
-            return tensor if outer is None else outer(tensor)
+            return tensor.detach() if outer is None else outer(tensor)
         return _SavedWeight(unit, tensor)
 
     def unpack(self, packed, outer=None):

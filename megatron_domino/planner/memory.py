@@ -28,9 +28,12 @@ Activations per token: ``planner/activations.py``, tensor by tensor for this cod
 In flight (``pipeline_model.in_flight``, the simulator's peaks): micro-batches, or chunk-micro-batches with several
 chunks per rank, each sized by the rank's largest chunk (under the V rank 0 holds the first stage and the last,
 with the loss's transient; at most pp/2 of its chunk-micro-batches are the last stage's, so it is an upper bound
-there). Not counted yet: the gradients a split backward records in I and holds until W
-(``pipeline/split_backward.py``): a rehearsal of GPT 1.3B at pp 4, m 8 (``tools/rehearse.py``) measured ZB-H1's
-and ZB-V's ranks 1-3 at about twice the activations counted here.
+there). A split backward (zero-bubble schedules) also holds the gradients its I records until its W
+(``held_gradients.py``): ``pipeline_model.held_gradients`` chunk-micro-batches of them, each sized by the rank's
+largest chunk, added to the activations' peak (they coincide under ZB-H1 and ZB-V; an upper bound for DualPipeV).
+The loss's forward sees one fewer (every split schedule's order): its transient counts less one of them. A
+rehearsal of GPT 1.3B at pp 4, m 8 (``tools/rehearse.py``, its saved-tensor hook returning a detached alias, not
+a cycle that kept the I-only nodes' tensors past W) measured ZB-H1 within 2% on every rank, ZB-V on ranks 1-3.
 
 Transient peaks: when the loss's forward computes its softmax it holds the logits (e), one fp32 copy of
 them (16-bit runs, or the masked copy of padded vocabularies: the masked one replaces the plain fp32 copy,
@@ -53,7 +56,8 @@ from ..pipeline.stages import layer_partition
 from .activations import chunk_activation_bytes, loss_transient_bytes, recompute_working_bytes, weight_bytes
 from .context_parallel import context_parallel_transient_bytes
 from .hardware import GPU
-from .pipeline_model import in_flight
+from .held_gradients import chunk_held_bytes
+from .pipeline_model import held_gradients, in_flight
 from .moe import expert_replicas, layer_parameters, whole_experts
 
 GIB = 2**30
@@ -72,16 +76,19 @@ class StageMemory:
     overhead: float
     in_flight: int  # micro-batches (chunk-micro-batches with several chunks per rank) whose activations are held
     host: float = 0.0  # optimizer state offloaded to host memory (optimizer.offload), not on the GPU
+    held: float = 0.0  # gradients a split backward's I records and its W frees (zero-bubble schedules)
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.transient + self.overhead
+        return (self.params + self.grads + self.optimizer + self.activations + self.held + self.transient
+                + self.overhead)
 
     def breakdown(self) -> str:
         """"params 2.7 + grads 5.5 + ... = 66.2 GiB" (MiB for totals under 1 GiB: the tiny CPU runs)."""
         scale, unit = (GIB, "GiB") if self.total >= GIB else (2**20, "MiB")
         parts = [("params", self.params), ("grads", self.grads), ("optim", self.optimizer),
-                 ("act", self.activations), ("transient", self.transient), ("overhead", self.overhead)]
+                 ("act", self.activations)] + [("held", self.held)] * bool(self.held) + [
+                 ("transient", self.transient), ("overhead", self.overhead)]
         terms = " + ".join(f"{name} {value / scale:.1f}" for name, value in parts)
         host = f" (+ {self.host / scale:.1f} {unit} of optimizer state in host memory)" if self.host else ""
         return f"{terms} = {self.total / scale:.1f} {unit}{host}"
@@ -274,18 +281,24 @@ def estimate_stages(cfg: Config, dp: int, gpu: GPU) -> list[StageMemory]:
     attention = context_parallel_transient_bytes(cfg)
     if cfg.model.recompute == "full":
         attention += recompute_working_bytes(cfg, gpu)
-    flights, loss = in_flight(cfg, dp), loss_transient_bytes(cfg)
+    flights, loss, held = in_flight(cfg, dp), loss_transient_bytes(cfg), held_gradients(cfg, dp)
     # per (blocks, MoE blocks, first, last): stages of a uniform split share one value
     chunk_bytes = cache(lambda layers, moe, first, last: chunk_activation_bytes(cfg, gpu, layers, first, last, moe))
+    chunk_held = cache(lambda layers, moe, first, last: chunk_held_bytes(cfg, layers, first, last, moe))
     result = []
     for rank, (dense, experts) in enumerate(rank_parameter_split(cfg)):
         weights, grads, optimizer, host = static_bytes(cfg, dense + experts, dp, experts, rank)
         chunks = [chunk_stage(par, rank, c) for c in range(par.virtual_pp)]
-        per_unit = max(chunk_bytes(len(partition[s]), sum(map(cfg.model.is_moe_layer, partition[s])), s == 0,
-                                   s == stages - 1) for s in chunks)
-        transient = max(attention, loss if stages - 1 in chunks else 0.0)
+        shapes = [(len(partition[s]), sum(map(cfg.model.is_moe_layer, partition[s])), s == 0, s == stages - 1)
+                  for s in chunks]
+        per_unit, per_held = max(chunk_bytes(*shape) for shape in shapes), max(chunk_held(*shape) for shape in shapes)
+        last = loss if stages - 1 in chunks else 0.0
+        if held[rank]:  # the loss's forward runs before the I that records the last of them
+            last = max(0.0, last - per_held)
+        transient = max(attention, last)
         result.append(StageMemory(rank, weights, grads, optimizer, flights[rank] * per_unit * tokens,
-                                  transient * tokens, gpu.overhead_gib * GIB, flights[rank], host))
+                                  transient * tokens, gpu.overhead_gib * GIB, flights[rank], host,
+                                  held[rank] * per_held * tokens))
     return result
 
 

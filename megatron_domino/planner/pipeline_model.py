@@ -19,11 +19,23 @@ backward: until its W). 1F1B: min(pp - rank, m) on rank ``rank``; ZB-H1: min(pp,
 Megatron's warm-up count + 1 chunk-micro-batches (``pipeline.schedules.interleaved_warmup``); on every rank of the
 V, ZB-V 2pp chunk-micro-batches (pp micro-batches of whole stages, 1F1B's rank-0 peak) and DualPipeV 2pp + 1 (an
 F&B unit's forward before its backward frees the other's), each at most 2m.
+
+Held gradients: the most chunk-micro-batches between their I and the end of their W (the gradients I records,
+``held_gradients.py``), stage 0's chunk left out (its whole backward runs as W). ZB-H1: min(rank + 1, m) on ranks
+>= 1 (rank r keeps its W's r behind its I's, and holds one more while that W runs); ZB-V: counted on its order
+(``zero_bubble_v``: a greedy rule under a memory cap, no closed form; pp/2 to 3pp/2 at m >= 2pp, up to 2pp at
+m = pp); DualPipeV: 1 on rank 0 and 2 (rank + 1) on the others (its cool-down's r + 1 pairs I1 I0). For ZB-H1 and
+ZB-V the most held falls at the activations' peak (the simulator's order), so the two add exactly; DualPipeV's
+falls in its cool-down, where pp + rank + 1 chunk-micro-batches are alive, not 2pp + 1: adding it to the peak is
+an upper bound.
 """
 from __future__ import annotations
 
+from functools import cache
+
 from ..config.schema import Config
 from ..pipeline.schedules import interleaved_warmup, schedule_kind
+from ..pipeline.zero_bubble_v import zb_v_orders
 
 
 def pipeline_bubble(kind: str, pp: int, m: int, virtual_pp: int = 1) -> float:
@@ -61,3 +73,34 @@ def in_flight(cfg: Config, dp: int) -> list[int]:
     if kind == "dualpipev":  # an F&B unit holds its forward's before its backward frees the other's: one more
         return [min(2 * pp + 1, 2 * m)] * pp
     return [min(interleaved_warmup(pp, rank, m, v) + 1, m * v) for rank in range(pp)]
+
+
+@cache
+def _zb_v_held(pp: int, m: int) -> tuple[int, ...]:
+    """Per rank, the most chunk-micro-batches of ZB-V's order with I done and W not yet (rank 0's chunk 0, the
+    first stage, left out)."""
+    peaks = []
+    for rank, order in enumerate(zb_v_orders(pp, m)):
+        held = peak = 0
+        for inst in order:
+            counted = rank > 0 or inst.chunk == 1
+            held += counted and inst.op == "backward_input"
+            peak = max(peak, held)
+            held -= counted and inst.op == "backward_weight"
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def held_gradients(cfg: Config, dp: int) -> list[int]:
+    """Chunk-micro-batches whose I-recorded gradients each pipeline rank holds at its peak (module docstring); 0
+    for schedules without a split backward."""
+    pp, v = cfg.parallel.pp, cfg.parallel.virtual_pp
+    m = cfg.train.num_microbatches(dp)
+    kind = schedule_kind(pp, v, cfg.parallel.pipeline_schedule)
+    if kind == "zb-h1":
+        return [min(rank + 1, m) if rank else 0 for rank in range(pp)]
+    if kind == "zb-v":
+        return list(_zb_v_held(pp, m))
+    if kind == "dualpipev":
+        return [2 * (rank + 1) if rank else 1 for rank in range(pp)]
+    return [0] * pp

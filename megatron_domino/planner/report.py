@@ -18,7 +18,7 @@ def _header(unit: str, moe: bool) -> str:
 
 def format_row(index: int, est: Estimate, scale: float = GIB, moe: bool = False) -> str:
     lay, mem, time = est.layout, est.memory, est.time
-    other = mem.transient + mem.overhead
+    other, act = mem.transient + mem.overhead, mem.activations + mem.held  # held: a split backward's (I to W)
     fit = "" if est.fits else "  OOM"
     ep = f"{lay.ep:>4} " if moe else ""
     a2a = f"{time.ep_exposed:>7.3g} " if moe else ""
@@ -27,7 +27,7 @@ def format_row(index: int, est: Estimate, scale: float = GIB, moe: bool = False)
             f"{lay.schedule_mode:<11} {lay.micro_batch:>3} "
             f"{lay.recompute:<9} {lay.zero_mode:<7} {lay.tp_mode:<9} {lay.cp_mode:<10} | {mem.total / scale:>7.1f} = "
             f"{mem.params / scale:>6.1f} {mem.grads / scale:>6.1f} {mem.optimizer / scale:>6.1f} "
-            f"{mem.activations / scale:>6.1f} {other / scale:>6.1f} | {time.total:>7.4g} {time.bubble:>7.3g} "
+            f"{act / scale:>6.1f} {other / scale:>6.1f} | {time.total:>7.4g} {time.bubble:>7.3g} "
             f"{time.tp_exposed:>7.3g} {time.cp_exposed:>7.3g} {a2a}{pp_dp:>7.3g} | "
             f"{est.tokens_per_s:>10,.0f} {est.mfu:>5.1%}{fit}")
 

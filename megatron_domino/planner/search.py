@@ -5,10 +5,11 @@ plus how TP communicates: Domino's overlap, sequence parallelism, or both; how C
 ring, the all-to-all, and a2a+ring with each all-to-all group size that divides cp, where
 ``check_context_parallel`` accepts them); and for an MoE model the expert-parallel size ep. The schedule
 (``schedule_choices``): at pp > 1, the config's default (1f1b at virtual pp 1, interleaved above); the split-backward
-schedules (zb-h1 at 1, zb-v and dualpipev at 2) only when ``only`` names schedules (``tools/plan.py --schedule``),
-since the memory model does not yet count the output gradients a split backward holds from I to W (the rehearsal
-measured up to twice the activations at pp 4), each where ``check_schedule`` passes for the layout's
-micro-batches; a config that sets ``parallel.pipeline_schedule`` fixes it for every layout. Two memory savers are
+schedules (zb-h1 at 1, zb-v and dualpipev at 2), each where ``check_schedule`` passes for the layout's
+micro-batches, only when ``only`` names schedules (``tools/plan.py --schedule``): their held gradients
+(``held_gradients.py``) match a rehearsal but no GPU run yet, and ZB-V's rank 0 and DualPipeV are upper bounds
+(``memory.py``), so they are offered where asked for, not chosen unasked; a config that sets
+``parallel.pipeline_schedule`` fixes it for every layout. Two memory savers are
 tried on every layout that does not fit as it is (``with_savers``): the optimizer offloaded to the host (ZeRO >= 1)
 and, at ZeRO-3, no prefetch (one gathered layer fewer), alone and together; a layout that fits never gets them
 (they only cost time).

@@ -65,9 +65,10 @@ class AllocationAccounting:
                 entry[1] = category
 
     def saved_for_backward(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``saved_tensors_hooks`` pack hook: the tensor is an activation; it is kept as it is."""
+        """``saved_tensors_hooks`` pack hook: the tensor is an activation, kept as a detached alias (the same
+        storage; see ``optim.weight_units.WeightUnits.pack`` for the cycle the tensor itself would make)."""
         self.claim([tensor], "activations")
-        return tensor
+        return tensor.detach()
 
     def resized(self, tensor: torch.Tensor, category: str) -> None:
         """``tensor``'s storage was resized in place (ZeRO-3 allocates and frees a layer's gathered weights this
