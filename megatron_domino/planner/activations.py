@@ -59,6 +59,12 @@ def weight_bytes(cfg: Config) -> int:
     return 2 if (cfg.train.bf16 or cfg.train.fp16) else 4
 
 
+def sequence_shard(cfg: Config) -> int:
+    """r: how many ranks share a token's hidden state outside attention and the MLP (tp under sequence
+    parallelism, else 1)."""
+    return cfg.parallel.tp if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1 else 1
+
+
 def _norm_bytes(model: ModelConfig, shard: int, gpu: GPU) -> float:
     h = model.hidden_size
     if model.norm == "layernorm":
@@ -70,8 +76,7 @@ def _dropout_mask_bytes(cfg: Config, gpu: GPU) -> float:
     """Bytes per token of one hidden-state dropout mask (0 without dropout)."""
     if cfg.model.hidden_dropout == 0:
         return 0.0
-    shard = cfg.parallel.tp if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1 else 1
-    return (1 if gpu.is_cuda else weight_bytes(cfg)) * cfg.model.hidden_size / shard
+    return (1 if gpu.is_cuda else weight_bytes(cfg)) * cfg.model.hidden_size / sequence_shard(cfg)
 
 
 def _mlp_bytes(cfg: Config, width: int) -> float:
@@ -96,7 +101,7 @@ def layer_activation_bytes(cfg: Config, gpu: GPU, moe: bool = False) -> tuple[fl
     a block with experts."""
     model, par = cfg.model, cfg.parallel
     e, t = weight_bytes(cfg), par.tp
-    r = t if par.sequence_parallel and t > 1 else 1
+    r = sequence_shard(cfg)
     h, d = model.hidden_size, model.key_head_dim
     a, g = model.num_attention_heads, model.kv_heads
     rope = model.position_embedding == "rope"
@@ -126,7 +131,7 @@ def chunk_activation_bytes(cfg: Config, gpu: GPU, layers: int, first: bool, last
     the embedding / head)."""
     model, par = cfg.model, cfg.parallel
     e, t = weight_bytes(cfg), par.tp
-    r = t if par.sequence_parallel and t > 1 else 1
+    r = sequence_shard(cfg)
     h = model.hidden_size
     total = (layers - moe_layers) * layer_activation_bytes(cfg, gpu)[0]
     total += moe_layers * layer_activation_bytes(cfg, gpu, moe=True)[0] if moe_layers else 0.0

@@ -29,7 +29,7 @@ to record the same (not measured).
 from __future__ import annotations
 
 from ..config.schema import Config
-from .activations import weight_bytes
+from .activations import sequence_shard, weight_bytes
 from .moe import whole_experts
 
 
@@ -41,7 +41,7 @@ def layer_held_bytes(cfg: Config, moe: bool = False) -> float:
     """Bytes per token that I records in one block and W frees (module docstring); ``moe``: a block with experts."""
     model, par = cfg.model, cfg.parallel
     e, t = weight_bytes(cfg), par.tp
-    r = t if par.sequence_parallel and t > 1 else 1
+    r = sequence_shard(cfg)
     h, a, parts = model.hidden_size, model.num_attention_heads, 2 if model.activation == "swiglu" else 1
     norms = 2 * 4 * h / r
     biases = 2 * e * h / r if model.bias and r > 1 else 0.0
@@ -66,7 +66,7 @@ def chunk_held_bytes(cfg: Config, layers: int, first: bool, last: bool, moe_laye
         return 0.0
     model, par = cfg.model, cfg.parallel
     e, t = weight_bytes(cfg), par.tp
-    r = t if par.sequence_parallel and t > 1 else 1
+    r = sequence_shard(cfg)
     total = (layers - moe_layers) * layer_held_bytes(cfg) + moe_layers * (
         layer_held_bytes(cfg, moe=True) if moe_layers else 0.0)
     if last:
