@@ -97,12 +97,14 @@ def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, ch
 def reference_steps(model_config, batches, lr, micro_batch=None):
     """One process, the whole batch, plain SGD over ``batches`` (dicts with a loss_mask): the loss of every step
     and the final weights. ``micro_batch``: forward in micro-batches of that many samples, the MoE auxiliary
-    losses of each over its tokens and averaged over them, as the engine weighs them."""
+    losses of each over its tokens (or, in the global scope, with the step's earlier ones) and averaged over
+    them, as the engine weighs them."""
     dense = LanguageModel(model_config)
     initialize_weights(dense, seed=3)
     losses = []
     for batch in batches:
         dense.zero_grad(set_to_none=True)
+        dense.reset_routing_stats()
         size = batch["tokens"].shape[0]
         total = 0.0
         for start in range(0, size, micro_batch or size):
@@ -110,7 +112,7 @@ def reference_steps(model_config, batches, lr, micro_batch=None):
                     if torch.is_tensor(value) and value.dim() and value.shape[0] == size else value
                     for key, value in batch.items()}
             if micro_batch:
-                part["aux_loss_weight"] = 1.0 / size
+                part["aux_loss_weight"], part["microbatch_index"] = 1.0 / size, start // micro_batch
             loss = (dense(None, part) * part["loss_mask"]).sum() / batch["loss_mask"].sum()
             loss.backward()
             total += loss.item()

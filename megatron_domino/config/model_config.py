@@ -10,6 +10,7 @@ NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 MOE_ROUTERS = ("softmax", "sigmoid")
 MOE_DROP_POLICIES = ("position", "probs", "random")  # which assignments a full expert keeps (models/router.py)
+MOE_AUX_LOSS_SCOPES = ("micro_batch", "global")  # the tokens the balance loss's f is over (models/balance.py)
 ROPE_SCALINGS = ("llama3", "yarn")  # how rope_scaling_factor stretches the frequencies
 RECOMPUTE = ("none", "selective", "full")  # least to most recomputation
 ATTENTION_BACKENDS = ("auto", "flash", "efficient", "math")
@@ -74,6 +75,8 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.01  # load-balancing loss (Switch / Mixtral)
     moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
     moe_seq_aux_loss_coeff: float = 0.0  # the balance loss within each sequence (DeepSeek-V3: 1e-4)
+    moe_aux_loss_scope: str = "micro_batch"  # MOE_AUX_LOSS_SCOPES: the balance loss's f over the micro-batch, or
+    # "global": over the DP-wide micro-batch, averaged with the step's earlier ones (Megatron's global_aux_loss)
     moe_capacity_factor: Optional[float] = None  # None: dropless
     moe_token_drop_policy: str = "position"  # MOE_DROP_POLICIES: a full expert keeps the first, likeliest, or random
     moe_shared_experts: int = 0  # always-on experts, as one MLP of this many experts' width

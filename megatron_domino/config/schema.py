@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .model_config import (ACTIVATIONS, ARCHITECTURE_KEYS, ATTENTION_BACKENDS, MOE_DROP_POLICIES,  # noqa: F401
-                           MOE_ROUTERS, NORMS, POSITION_EMBEDDINGS, RECOMPUTE, ROPE_SCALINGS, ModelConfig)
+from .model_config import (ACTIVATIONS, ARCHITECTURE_KEYS, ATTENTION_BACKENDS, MOE_AUX_LOSS_SCOPES,  # noqa: F401
+                           MOE_DROP_POLICIES, MOE_ROUTERS, NORMS, POSITION_EMBEDDINGS, RECOMPUTE, ROPE_SCALINGS,
+                           ModelConfig)
 
 AXES = ("tp", "cp", "dp", "pp")  # parallel.order is these joined by '-', innermost first (cp optional)
 

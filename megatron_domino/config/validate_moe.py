@@ -5,7 +5,7 @@ Kept apart from the dense rules because none of them applies to a dense model.
 """
 from __future__ import annotations
 
-from .schema import MOE_DROP_POLICIES, MOE_ROUTERS, Config
+from .schema import MOE_AUX_LOSS_SCOPES, MOE_DROP_POLICIES, MOE_ROUTERS, Config
 
 
 def check_moe(c, cfg: Config) -> None:
@@ -29,6 +29,7 @@ def check_moe(c, cfg: Config) -> None:
     c.at_least("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, 0.0)
     c.at_least("model.moe_z_loss_coeff", m.moe_z_loss_coeff, 0.0)
     c.at_least("model.moe_seq_aux_loss_coeff", m.moe_seq_aux_loss_coeff, 0.0)
+    c.one_of("model.moe_aux_loss_scope", m.moe_aux_loss_scope, MOE_AUX_LOSS_SCOPES)
     c.at_least("model.moe_shared_experts", m.moe_shared_experts, 0)
     if m.moe_topk < 1:
         c.fail("model.moe_topk", m.moe_topk, "must be at least 1", "route each token to 1 or more experts (2 is usual)")

@@ -15,6 +15,14 @@ micro-batch's sequences: the set also sums each sequence's counts [samples, E] o
 all-reduce), and a piece's tokens get E * f_(b,i) / T_seq for their sequence b. Domino's mu-chunks hold whole
 sequences, so a piece's samples are a run of the set's (``add`` returns where it starts).
 
+With ``model.moe_aux_loss_scope: global`` (Megatron's global_aux_loss) the balance loss's f_i is over more
+tokens: those of micro-batch j of every data-parallel rank (the DP-wide micro-batch: the counts are summed over
+dp x cp, ``count_group``), averaged with the step's earlier micro-batches 0..j (``earlier``: the layer's sets of
+this step, by index), P_i staying this rank's. Each DP rank then adds the gradient of its own tokens' P_i, and
+the sum over DP is that of E * sum_i f_i * P_i over the DP-wide micro-batch: the same for every TP, CP, Domino
+and pipeline layout, and at dp d equal to one process whose micro-batch j is the d ranks' j-th ones together.
+Only f_i changes: the z-loss is a mean (layout-free in any scope) and the sequence-wise loss stays per sequence.
+
 The layer's contribution to the objective is ``weight`` per sample of the micro-batch (``TokenContext``: the
 engine's loss scale over micro-batches x DP ranks x samples) times (aux_coeff * balance + z_coeff * z-loss +
 seq_coeff * sequence-wise balance).
@@ -28,19 +36,27 @@ from ..parallel import comm
 
 
 class BalanceSet:
-    """One MoE layer's routing pieces of one micro-batch on this rank, and the CP ranks holding the rest."""
+    """One MoE layer's routing pieces of one micro-batch on this rank, and the CP ranks holding the rest.
 
-    def __init__(self, pieces: int, cp_group, topk: int):
+    The global scope is on when ``earlier`` is given (the layer's sets of this step, micro-batch index -> set,
+    this one included once it is made): the counts are summed over ``count_group`` (dp x cp) and averaged with
+    the step's earlier micro-batches up to ``index``."""
+
+    def __init__(self, pieces: int, cp_group, topk: int, count_group=None, earlier: dict | None = None,
+                 index: int = 0):
         self.pieces, self.cp_group, self.topk = pieces, cp_group, topk
+        self.count_group, self.earlier, self.index = count_group, earlier, index
         self.counts: list[torch.Tensor] = []
         self.sample_counts: list[torch.Tensor] = []  # [samples, E] per piece, for the sequence-wise loss
         self.tokens = self.samples = 0
         self.total: torch.Tensor | None = None  # [E] counts over the set, once every local piece has run
-        self._work = None
+        self.sequence_total: torch.Tensor | None = None  # [samples, E] per sequence, over the CP ring
+        self._works = []
 
     def add(self, counts: torch.Tensor, tokens: int, samples: int, sample_counts: torch.Tensor | None = None) -> int:
         """A piece has routed ``tokens`` tokens of ``samples`` samples (``sample_counts``: per sample, when the
-        sequence-wise loss is on); after the last, sum over the CP ring. Returns the piece's first sample."""
+        sequence-wise loss is on); after the last, sum over the ranks sharing the set (asynchronously, one
+        all-reduce per group). Returns the piece's first sample."""
         first = self.samples
         self.counts.append(counts)
         if sample_counts is not None:
@@ -48,28 +64,54 @@ class BalanceSet:
         self.tokens += tokens
         self.samples += samples
         if len(self.counts) == self.pieces:
-            self.total = torch.stack(self.counts).sum(dim=0)
-            if self.sample_counts:
-                self.total = torch.cat([self.total, torch.cat(self.sample_counts).flatten()])
-            if comm.group_size(self.cp_group) > 1:
-                self._work = dist.all_reduce(self.total, group=self.cp_group, async_op=True)
+            total = torch.stack(self.counts).sum(dim=0)
+            sequences = torch.cat(self.sample_counts) if self.sample_counts else None
+            if self.earlier is None and sequences is not None:  # one all-reduce over the ring for both
+                total = torch.cat([total, sequences.flatten()])
+                self.total, self.sequence_total = total[:self.experts], total[self.experts:].view_as(sequences)
+                self._reduce(total, self.cp_group)
+            else:
+                self.total, self.sequence_total = total, sequences
+                self._reduce(total, self.cp_group if self.earlier is None else self.count_group)
+                if sequences is not None:
+                    self._reduce(sequences, self.cp_group)
         return first
 
-    def fractions(self) -> tuple[torch.Tensor, int]:
-        """(f_i = counts_i / (T * k) over the whole set, T): what backward needs."""
+    @property
+    def experts(self) -> int:
+        return self.counts[0].numel()
+
+    def _reduce(self, tensor: torch.Tensor, group) -> None:
+        if comm.group_size(group) > 1:
+            self._works.append(dist.all_reduce(tensor, group=group, async_op=True))
+
+    def _settled(self) -> "BalanceSet":
         if self.total is None:
             raise RuntimeError(f"an MoE layer's backward ran after {len(self.counts)} of its {self.pieces} routing "
                                f"pieces: the auxiliary losses need every piece of the micro-batch first")
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        for work in self._works:
+            work.wait()
+        self._works = []
+        return self
+
+    def fractions(self) -> tuple[torch.Tensor, int]:
+        """(f_i = counts_i / (T * k) over the whole set, T the micro-batch's tokens): what backward needs. In
+        the global scope, f_i over the DP-wide micro-batches 0..index, averaged."""
         tokens = self.tokens * comm.group_size(self.cp_group)
-        return self.total[:self.counts[0].numel()] / (tokens * self.topk), tokens
+        if self.earlier is None:
+            return self._settled().total / (tokens * self.topk), tokens
+        missing = [i for i in range(self.index + 1) if i not in self.earlier]
+        if missing:
+            raise RuntimeError(f"an MoE layer's backward of micro-batch {self.index} ran before the forward of "
+                               f"micro-batch {missing[0]}: the global balance loss averages the step's earlier ones")
+        running = sum(self.earlier[i]._settled().total for i in range(self.index + 1))
+        every_rank = self.tokens * comm.group_size(self.count_group) * (self.index + 1)
+        return running / (every_rank * self.topk), tokens
 
     def sequence_fractions(self) -> tuple[torch.Tensor, int]:
         """([samples, E] f_(b,i) = counts_(b,i) / (T_seq * k) of each sequence, T_seq), after ``fractions``."""
-        experts, per_sequence = self.counts[0].numel(), self.tokens * comm.group_size(self.cp_group) // self.samples
-        return self.total[experts:].view(self.samples, experts) / (per_sequence * self.topk), per_sequence
+        per_sequence = self.tokens * comm.group_size(self.cp_group) // self.samples
+        return self._settled().sequence_total / (per_sequence * self.topk), per_sequence
 
 
 class AttachLosses(torch.autograd.Function):

@@ -111,9 +111,11 @@ class LanguageModel(nn.Module):
         return [(block.layer_number, block.mlp) for block in self.blocks() if isinstance(block.mlp, MoE)]
 
     def reset_routing_stats(self) -> None:
-        """A training step begins: its MoE layers count their routing afresh (for the step's metrics)."""
+        """A training step begins: its MoE layers count their routing afresh (for the step's metrics and the
+        global balance loss)."""
         for _, layer in self.moe_layers():
             layer.stats.reset()
+            layer.step_sets.clear()
 
     # ----- forward ------------------------------------------------------------------------------
     def forward(self, input_tensor: torch.Tensor | None, batch: dict, return_logits: bool = False) -> torch.Tensor:
@@ -137,7 +139,7 @@ class LanguageModel(nn.Module):
         rotary = (rotary_tables(self._position_ids(batch, batch_size), self.inv_freq, self.rotary_scale)
                   if self.cfg.position_embedding == "rope" else None)
         return TokenContext(rotary, batch.get("doc_offsets"), batch.get("aux_loss_weight", 1.0), balance={},
-                            cache=batch.get("kv_cache"))
+                            cache=batch.get("kv_cache"), microbatch=batch.get("microbatch_index"))
 
     def head(self, hidden: torch.Tensor, batch: dict, rows: slice, return_logits: bool,
              context: TokenContext = NO_CONTEXT) -> torch.Tensor:

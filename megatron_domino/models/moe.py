@@ -113,6 +113,8 @@ class MoE(nn.Module):
         self.bias_update_rate = cfg.moe_router_bias_update_rate
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.seq_coeff = cfg.moe_seq_aux_loss_coeff
+        self.global_scope = cfg.moe_aux_loss_scope == "global"
+        self.step_sets: dict[int, BalanceSet] = {}  # the global scope: this step's sets by micro-batch index
         self.router = nn.Module()
         declare(self.router, "weight", make_param((cfg.num_experts, cfg.hidden_size), ctx),
                 ParamInfo(None, "normal", cfg.init_std, grad_sums_over_tp=ctx.sequence_parallel))
@@ -171,12 +173,22 @@ class MoE(nn.Module):
                              [expert.fc1 for expert in self.experts.values()], self.grouped_gemm)
         hidden = next(iter(self.experts.values())).activate(fc1)
         shared = self.shared_experts.hidden(x) if self.shared_experts is not None else None
-        if context.balance is None:  # no micro-batch around this call: its tokens are the whole set
-            balance = BalanceSet(1, self.ctx.cp_group, self.topk)
-        else:  # a recomputed forward finds the set its first forward made
-            balance = context.balance.setdefault(id(self), BalanceSet(context.pieces, self.ctx.cp_group, self.topk))
         return Routed(shape, routing, assignments, token_ids, exchange, hidden, shared, context.aux_loss_weight,
-                      balance)
+                      self._balance_set(context))
+
+    def _balance_set(self, context: TokenContext) -> BalanceSet:
+        """The set of tokens this call's losses are defined over (``balance``)."""
+        if context.balance is None:  # no micro-batch around this call: its tokens are the whole set
+            return BalanceSet(1, self.ctx.cp_group, self.topk)
+        if id(self) not in context.balance:  # else a recomputed forward: the set its first forward made
+            if self.global_scope and context.microbatch is not None and torch.is_grad_enabled():
+                balance = BalanceSet(context.pieces, self.ctx.cp_group, self.topk, self.ctx.balance_group,
+                                     self.step_sets, context.microbatch)
+                self.step_sets[context.microbatch] = balance
+            else:
+                balance = BalanceSet(context.pieces, self.ctx.cp_group, self.topk)
+            context.balance[id(self)] = balance
+        return context.balance[id(self)]
 
     def _my_tokens(self, count: int) -> torch.Tensor:
         """[T, 1] bool: with whole experts, the slice of the tokens this TP rank routes."""

@@ -23,7 +23,7 @@ def build_chunks(cfg, state, places, *, dtype=torch.float32, device=None, init_s
     par = cfg.parallel
     ctx = LayerContext(state.tp_group, par.sequence_parallel, dtype=dtype, device=device, cp_group=state.cp_group,
                        cp_comm=par.cp_comm, cp_a2a_slices=par.cp_a2a_slices, cp_a2a_group=state.cp_a2a_group,
-                       cp_ring_group=state.cp_ring_group,
+                       cp_ring_group=state.cp_ring_group, balance_group=state.dp_cp_group,
                        ep_group=state.expert_group, experts_split=state.topology.expert_tp == state.tp_size, rng=rng,
                        fp8=Fp8Recipe.from_model(cfg.model))
     plan = DominoPlan.from_config(par)

@@ -23,13 +23,14 @@ class TokenContext:
     balance: dict | None = None  # MoE layer -> its ``BalanceSet`` for this micro-batch (None: each call alone)
     pieces: int = 1  # routing pieces of the micro-batch on this rank (Domino's mu-chunks)
     cache: KVCache | None = None  # generation: earlier tokens' keys and values (never set in training)
+    microbatch: int | None = None  # the micro-batch's index in the step (the global balance loss); None: no step
 
     def rows(self, rows: slice, pieces: int) -> "TokenContext":
         """The context of the samples ``rows`` (a Domino mu-chunk, one of ``pieces``); generation runs no Domino,
         so there is no cache to cut."""
         return TokenContext(None if self.rotary is None else tuple(t[rows] for t in self.rotary),
                             None if self.doc_offsets is None else self.doc_offsets[rows], self.aux_loss_weight,
-                            self.balance, pieces)
+                            self.balance, pieces, microbatch=self.microbatch)
 
 
 NO_CONTEXT = TokenContext()

@@ -97,7 +97,8 @@ class PipelineEngine:
         if self.moe_sample_weight is not None:  # the step's weight of the auxiliary losses, in each micro-batch
             for chunk in self.chunks:
                 chunk.reset_routing_stats()
-            microbatches = [dict(batch, aux_loss_weight=loss_scale * self.moe_sample_weight) for batch in microbatches]
+            microbatches = [dict(batch, aux_loss_weight=loss_scale * self.moe_sample_weight, microbatch_index=index)
+                            for index, batch in enumerate(microbatches)]
         return self._run(self.program, microbatches, loss_scale)
 
     @torch.no_grad()

@@ -30,6 +30,7 @@ class LayerContext:
     cp_ring_group: object = None  # ... and its ring across the groups
     cp_a2a_slices: int = 1  # a2a: head slices pipelined (``models.ulysses.ulysses_attention``)
     ep_group: object = None  # the ranks sharing the experts out (MoE token exchange); None: one rank
+    balance_group: object = None  # the dp x cp ranks of the global balance loss (``models.balance``)
     experts_split: bool = True  # experts split over TP like the MLP; False: whole, shared out over tp x ep
     rng: RNGTracker | None = None  # the run's dropout streams; None: one TP rank's default stream serves
     fp8: object = None  # an ``fp8.scaling.Fp8Recipe``: attention's and the MLP's linears multiply in FP8
