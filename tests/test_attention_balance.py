@@ -1,7 +1,7 @@
 """Balanced packing (``data.balance_attention``, data/attention_balance.py): the attention work of a sample per CP
 rank, written out by hand; the arrangement regroups the same samples (documents untouched) into micro-batches
-whose (micro-batch, CP rank) cells are within tolerance where the loader's order was not; and a run with it
-trains exactly as one process without it, logging the imbalance before and after."""
+whose (DP rank, micro-batch, CP rank) cells are within tolerance where the loader's order was not; and a run
+with it trains exactly as one process without it, logging the imbalance before and after."""
 import numpy as np
 import pytest
 import torch
@@ -102,6 +102,34 @@ def test_the_loader_hands_out_the_same_samples_regrouped_and_counts_them_as_befo
 
 
 @pytest.mark.quick
+def test_data_parallel_ranks_share_out_the_arranged_global_batch():
+    """At dp 2 each rank reads the whole global batch, both arrange it alike, and rank r takes the r-th half of
+    the micro-batches: the ranks' samples are disjoint, together the global batch, and the (rank, micro-batch,
+    CP rank) cells have the imbalance of one arrangement of all 8 samples, where the loader's blocks (heavy
+    samples all in rank 0's) had the plain order's."""
+    samples = [_sample([60, 4]) if i < 4 else _sample([8] * 8) for i in range(8)]
+    for i, s in enumerate(samples):
+        s["tokens"] = s["tokens"].clone()
+        s["tokens"][-1] = 100 + i
+    works = {}
+    for balanced in (False, True):
+        cells = []
+        for rank in range(2):
+            balancer = AttentionBalancer(micro_batch=2, tolerance=0.05, cp_size=2) if balanced else None
+            loader = MicroBatchLoader(samples, global_batch_size=8, micro_batch_size=2, dp_rank=rank, dp_size=2,
+                                      arrange=balancer)
+            batches = loader.next_step()
+            assert loader.consumed_samples == 8 and len(batches) == 2
+            for batch in batches:
+                tags = [int(t) - 100 for t in batch["tokens"][:, -1]]
+                cells.append((tags, sum(rank_work(samples[t], 2) for t in tags)))
+        assert sorted(t for tags, _ in cells for t in tags) == list(range(8))
+        works[balanced] = imbalance(np.stack([load for _, load in cells]))
+    _, before, after = arrange(np.stack([rank_work(s, 2) for s in samples]), micro_batch=2, tolerance=0.05)
+    assert works[False] == pytest.approx(before) and works[True] == pytest.approx(after) and after < before
+
+
+@pytest.mark.quick
 @pytest.mark.parametrize("overrides, rule", [
     ({}, "data.reset_attention_mask"),
     ({"reset_attention_mask": True, "balance_tolerance": -0.1}, "data.balance_tolerance"),
@@ -129,13 +157,15 @@ DOCUMENTS = ["data.reset_attention_mask=true", "data.reset_position_ids=true", "
 
 
 @pytest.mark.slow
-def test_a_balanced_run_at_cp2_pp2_trains_as_one_process_without_balancing(tmp_path):
-    """The tiny Llama, 4 steps, packed mock documents: one process in the loader's order, and cp 2 x pp 2 with
-    balanced micro-batches (8 per step): the same losses and gradient norms (1e-5), and the imbalance logged."""
+@pytest.mark.parametrize("layout", [["parallel.cp=2", "parallel.pp=2"], ["parallel.cp=2", "parallel.dp=2"]],
+                         ids=["cp2-pp2", "cp2-dp2"])
+def test_a_balanced_run_trains_as_one_process_without_balancing(tmp_path, layout):
+    """The tiny Llama, 4 steps, packed mock documents: one process in the loader's order, and cp 2 x pp 2 (8
+    micro-batches per step) or cp 2 x dp 2 (4 per rank, the DP ranks' samples arranged together) balanced: the
+    same losses and gradient norms (1e-5), and the imbalance logged."""
     single, balanced = str(tmp_path / "single"), str(tmp_path / "balanced")
     train("llama", 1, single, DOCUMENTS)
-    train("llama", 4, balanced, [*DOCUMENTS, "parallel.cp=2", "parallel.pp=2", "data.balance_attention=true",
-                                 "data.balance_tolerance=0"])
+    train("llama", 4, balanced, [*DOCUMENTS, *layout, "data.balance_attention=true", "data.balance_tolerance=0"])
     one, many = losses(single), losses(balanced)
     assert sorted(one) == sorted(many) == [1, 2, 3, 4]
     for step in one:

@@ -1,6 +1,7 @@
 """Balanced packing (``data.balance_attention``; Megatron's dynamic CP answers the same problem): which samples of
-a DP rank's share of the global batch train together in one micro-batch, so that every micro-batch and every
-context-parallel rank gets about the same attention work.
+the global batch train together in one micro-batch, and on which data-parallel rank (``MicroBatchLoader`` hands
+rank r the r-th share of the arranged micro-batches), so that every micro-batch, context-parallel rank and
+data-parallel rank gets about the same attention work.
 
 Packed documents attend only within themselves (``data.reset_attention_mask``): a sample holding one long
 document costs about L² / 2 of attention, one holding many short ones far less, and under ring attention's fixed
@@ -15,7 +16,8 @@ micro-batches can differ; under ``a2a+ring`` a ring member's queries are shared 
 Nothing that is trained changes: the step holds the same samples, each whole (documents whole and in order), the
 loss is normalised by the step's token count, and the consumed-sample count moves as before. Only the order of
 the fp32 sums does. A micro-batch keeps its samples in dataset order and the micro-batches are ordered by their
-first sample, so every rank that reads the step (first and last pipeline stage, every CP rank) arranges it alike.
+first sample, so every rank that reads the step (first and last pipeline stage, every CP and DP rank) arranges
+it alike.
 
 The arrangement: largest sample first, each into the micro-batch with room whose busiest CP rank stays least
 busy; then, while the busiest cell is above the mean by more than ``data.balance_tolerance``, the swap of one of

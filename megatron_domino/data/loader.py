@@ -2,8 +2,9 @@
 
 The next global batch is samples ``[c, c + G)`` of the dataset, c being the samples consumed so far (so
 global batch g is ``[g*G, (g+1)*G)`` while G stays fixed, and a run may resume with another G). DP rank r
-takes the contiguous block ``[c + r*G/dp, c + (r+1)*G/dp)`` and splits it into micro-batches in order (or, with
-``data.balance_attention``, in the order ``attention_balance`` arranges).
+takes the contiguous block ``[c + r*G/dp, c + (r+1)*G/dp)`` and splits it into micro-batches in order (with
+``data.balance_attention``, every rank arranges the whole global batch alike, ``attention_balance``, and takes
+the r-th G/dp of the arranged micro-batches).
 Concatenating the ranks' blocks therefore gives the same global batch for any dp, and the position in
 the data is one number (the samples consumed) that a checkpoint can store and any layout can resume from.
 
@@ -49,22 +50,29 @@ class MicroBatchLoader:
         """Samples of all DP ranks consumed so far (global count)."""
         return self._consumed
 
-    def rank_sample_ids(self) -> list[int]:
-        """Dataset indices this rank reads in the next global batch, in micro-batch order."""
-        per_rank = self.global_batch_size // self.dp_size
-        start = self._consumed + self.dp_rank * per_rank
+    def step_sample_ids(self) -> list[int]:
+        """Dataset indices of the whole next global batch, every DP rank's block in rank order."""
         if self._consumed + self.global_batch_size > len(self.dataset) and not self._warned_wrap:
             warnings.warn(f"the dataset's {len(self.dataset)} samples are exhausted after {self._consumed} consumed; "
-                          f"wrapping to its start", stacklevel=2)
+                          f"wrapping to its start", stacklevel=3)
             self._warned_wrap = True
-        return [(start + k) % len(self.dataset) for k in range(per_rank)]
+        return [(self._consumed + k) % len(self.dataset) for k in range(self.global_batch_size)]
+
+    def rank_sample_ids(self) -> list[int]:
+        """Dataset indices this rank reads in the next global batch, in micro-batch order (without ``arrange``)."""
+        per_rank = self.global_batch_size // self.dp_size
+        return self.step_sample_ids()[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
 
     def next_step(self) -> list[dict]:
-        """This rank's micro-batches of the next global batch (dicts of tensors stacked on a new dim 0)."""
-        ids = self.rank_sample_ids()
-        samples = [self.dataset[i] for i in ids]
-        if self.arrange is not None:
-            samples = [samples[i] for i in self.arrange(samples)]
+        """This rank's micro-batches of the next global batch (dicts of tensors stacked on a new dim 0). With
+        ``arrange``, every rank reads the whole global batch and arranges it alike, micro-batches across all DP
+        ranks, and takes its share of them: DP ranks are balanced against each other too."""
+        if self.arrange is None:
+            samples = [self.dataset[i] for i in self.rank_sample_ids()]
+        else:
+            everyone = [self.dataset[i] for i in self.step_sample_ids()]
+            order, per_rank = self.arrange(everyone), self.global_batch_size // self.dp_size
+            samples = [everyone[i] for i in order[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]]
         self._consumed += self.global_batch_size
         m = self.micro_batch_size
         return [collate(samples[k:k + m]) for k in range(0, len(samples), m)]
