@@ -1,7 +1,7 @@
 """DeepSeek-V3's sequence-wise balance loss (``model.moe_seq_aux_loss_coeff``) against its closed form written by
 hand: E * sum_i f_(b,i) * P_(b,i) within each sequence b, f from the chosen experts, P from the normalised scores,
-summed over the micro-batch's sequences with the layer's weight per sample (1 here). Pieces and layouts: the
-piece test in tests/test_moe.py, the parity runs in tests/test_mla.py."""
+summed over the micro-batch's sequences with the layer's weight per sample (1 here), and the value logged (their
+mean). Pieces and layouts: the piece test in tests/test_moe.py, the parity runs in tests/test_mla.py."""
 from dataclasses import replace
 
 import pytest
@@ -33,6 +33,8 @@ def test_sequence_wise_balance_loss_equals_its_closed_form():
     moe, x, grad_out = _layer_and_input(replace(cfg, moe_seq_aux_loss_coeff=COEFF), 3)
     out = moe.project(moe.hidden(x))[0]
     got = torch.autograd.grad((out * grad_out).sum(), [x, moe.router.weight])
+    logged = moe.stats.values[-1] / moe.stats.values[E + 4]  # the metric: the mean over the micro-batch's sequences
+    assert logged.item() == pytest.approx(_sequence_loss(moe, x).item() / x.shape[0], rel=1e-6)
     moe.seq_coeff = 0.0  # the same layer without it, the loss added by hand
     out = moe.project(moe.hidden(x))[0]
     want = torch.autograd.grad((out * grad_out).sum() + COEFF * _sequence_loss(moe, x), [x, moe.router.weight])

@@ -119,31 +119,33 @@ class AttachLosses(torch.autograd.Function):
     also seeds this piece's share of the set's auxiliary losses: ``prob_sums`` and ``z_sum`` of its tokens
     (``router.Routing``), and ``sequence_probs`` [samples, E] (each of its sequences' sum of p, or None) from
     sample ``first`` of the set. ``coeffs``: (aux, z, sequence-wise) coefficients times the objective's weight
-    per sample / tp; ``record(aux, z, T)``, when given, receives this piece's share of the losses' values and the
-    set's token count (for metrics)."""
+    per sample / tp; ``record(aux, z, T, sequence)``, when given, receives this piece's share of the losses'
+    values (the sequence-wise one's None when it is off) and the set's token count (for metrics)."""
 
     @staticmethod
     def forward(ctx, gates, prob_sums, z_sum, sequence_probs, balance: BalanceSet, first: int, coeffs: tuple,
                 record):
         ctx.balance, ctx.first, ctx.coeffs, ctx.record = balance, first, coeffs, record
-        ctx.samples = None if sequence_probs is None else sequence_probs.shape[0]
-        ctx.save_for_backward(prob_sums.detach(), z_sum.detach())
+        ctx.sequences = sequence_probs is not None
+        ctx.save_for_backward(prob_sums.detach(), z_sum.detach(),
+                              *([sequence_probs.detach()] if ctx.sequences else []))
         return gates.view_as(gates)
 
     @staticmethod
     def backward(ctx, grad):
-        prob_sums, z_sum = ctx.saved_tensors
+        prob_sums, z_sum, *sequence_probs = ctx.saved_tensors
         fractions, tokens = ctx.balance.fractions()
         aux_coeff, z_coeff, sequence_coeff = ctx.coeffs
         samples = ctx.balance.samples
         experts = fractions.numel()
-        if ctx.record is not None:
-            ctx.record(experts * (fractions * prob_sums).sum() / tokens, z_sum / tokens, tokens)
         grad_probs = fractions * (aux_coeff * samples * experts / tokens)
         grad_z = torch.full_like(z_sum, z_coeff * samples / tokens)
-        grad_sequences = None
-        if ctx.samples is not None:
+        grad_sequences = sequence_loss = None
+        if ctx.sequences:
             sequence_fractions, per_sequence = ctx.balance.sequence_fractions()
-            mine = sequence_fractions[ctx.first:ctx.first + ctx.samples]
+            mine = sequence_fractions[ctx.first:ctx.first + sequence_probs[0].shape[0]]
             grad_sequences = mine * (sequence_coeff * experts / per_sequence)
+            sequence_loss = experts * (mine * sequence_probs[0]).sum() / (per_sequence * samples)
+        if ctx.record is not None:
+            ctx.record(experts * (fractions * prob_sums).sum() / tokens, z_sum / tokens, tokens, sequence_loss)
         return grad, grad_probs, grad_z, grad_sequences, None, None, None, None

@@ -80,26 +80,29 @@ class MoEStats:
     """Routing statistics of one layer over a training step, kept on the device (read when logging)."""
 
     def __init__(self, num_experts: int, device):
-        self.values = torch.zeros(2 * num_experts + 5, dtype=torch.float64, device=device)
+        self.values = torch.zeros(2 * num_experts + 6, dtype=torch.float64, device=device)
 
     def reset(self) -> None:
         self.values.zero_()
 
     def add(self, routing: Routing) -> None:
         """[counts per expert..., dropped, assigned, aux loss, z-loss, micro-batches, counts without the expert
-        bias...]: the loads of a piece."""
+        bias..., sequence-wise loss]: the loads of a piece."""
         experts, assigned = routing.counts.numel(), routing.experts.numel()
         kept = routing.kept.sum().to(self.values.dtype)
         self.values[:experts] += routing.counts
         self.values[experts:experts + 2] += torch.stack([assigned - kept, torch.full_like(kept, assigned)])
         unbiased = routing.unbiased_counts if routing.unbiased_counts is not None else routing.counts
-        self.values[experts + 5:] += unbiased
+        self.values[experts + 5:2 * experts + 5] += unbiased
 
-    def add_losses(self, tokens: int, aux: torch.Tensor, z_loss: torch.Tensor, total_tokens: int) -> None:
+    def add_losses(self, tokens: int, aux: torch.Tensor, z_loss: torch.Tensor, total_tokens: int,
+                   sequence: torch.Tensor | None = None) -> None:
         """A piece's share of its micro-batch's losses, and its share (tokens / the set's) of the micro-batch."""
-        experts = (self.values.numel() - 5) // 2
+        experts = (self.values.numel() - 6) // 2
         self.values[experts + 2:experts + 5] += torch.stack([aux.double(), z_loss.double(),
                                                   torch.full_like(aux, tokens / total_tokens, dtype=torch.float64)])
+        if sequence is not None:
+            self.values[-1] += sequence.double()
 
 
 class MoE(nn.Module):
