@@ -274,9 +274,11 @@ def _rank_of(pid: int) -> int:
 
 
 def _assert_equal_to(reference: str, run: str) -> None:
-    """Every step the run logged (both attempts') has the reference's loss, and the final weights and optimizer
-    state are the reference's, bit for bit."""
+    """Every step the run logged (both attempts') has the reference's loss, each step once in metrics.jsonl (the
+    dead attempt's records past the checkpoint set aside), and the final weights and optimizer state are the
+    reference's, bit for bit."""
     expected = {r["step"]: r["loss"] for r in metrics(reference)}
+    assert [r["step"] for r in metrics(run)] == list(expected), [r["step"] for r in metrics(run)]
     assert all(r["loss"] == expected[r["step"]] for r in metrics(run)), (metrics(run), expected)
     assert_bitwise_resume(reference, run, range(1, 13))
 

@@ -134,6 +134,30 @@ class MetricsWriter:
                                                     data=[[step, prompt, text] for prompt, text in samples])},
                             step=step)
 
+    def resume_at(self, step: int) -> None:
+        """Training resumes after ``step``: records of later steps in metrics.jsonl were written by an attempt that
+        died before its next checkpoint and will be written again, so they move to metrics.superseded.jsonl (kept,
+        in order, with a line the crash cut short) and the plot and any reader see each step once. The file is
+        replaced atomically."""
+        if not self.enabled:
+            return
+        self._jsonl.close()
+        kept, superseded = [], []
+        with open(self.jsonl_path, encoding="utf-8") as lines:
+            for line in lines:
+                try:
+                    later = json.loads(line).get("step", 0) > step
+                except (ValueError, AttributeError, TypeError):  # not a whole record
+                    later, line = True, line.rstrip("\n") + "\n"
+                (superseded if later else kept).append(line)
+        if superseded:
+            with open(os.path.join(self.log_dir, "metrics.superseded.jsonl"), "a", encoding="utf-8") as aside:
+                aside.writelines(superseded)
+            with open(self.jsonl_path + ".tmp", "w", encoding="utf-8") as rewritten:
+                rewritten.writelines(kept)
+            os.replace(self.jsonl_path + ".tmp", self.jsonl_path)
+        self._jsonl = open(self.jsonl_path, "a", encoding="utf-8")
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()

@@ -50,6 +50,7 @@ class Trainer:
         ``print_rank_map`` False skips gathering the host names for the start-up rank map (a rehearsal,
         whose fake process group moves no data, prints its own)."""
         self.cfg, par, timeout_s = cfg, cfg.parallel, collective_timeout_s(cfg.parallel)
+        self.trains = writes_checkpoints
         self.device = init_distributed(par.backend, timeout_s)
         topology = Topology.from_config(par, dist.get_world_size())
         self.state = ParallelState(topology, self.device, timeout_s, strict=par.strict_transport)
@@ -120,6 +121,8 @@ class Trainer:
         if metadata.get("has_optimizer"):
             self.step = metadata["step"]
             self.data.resume(metadata["consumed_samples"])
+            if self.trains:  # an evaluation leaves the training records alone
+                self.metrics.resume_at(self.step)
         self._log_once(f"loaded checkpoint {path} (step {self.step})")
         if self.resumes:
             self._log_once(f"restart attempt {attempt.number}: resuming from step {self.step} ({attempt.describe()})")
