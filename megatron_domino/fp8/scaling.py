@@ -64,6 +64,7 @@ class LinearScaling:
 
     def __init__(self, recipe: Fp8Recipe, split: tuple[int, ...], group, device=None):
         self.recipe, self.split, self.group = recipe, split, group
+        self.weight_scales = None  # tensorwise: the block's step-long weight scales (``fp8.weight_scales``)
         self.kernels = compiled_kernels() if recipe.compiled else EAGER
         # delayed scaling before its first history: the step multiplies in the weights' dtype and only records
         # amaxes (a host flag, the same on every rank), where a guessed scale (Transformer Engine's 1) would
@@ -87,6 +88,10 @@ class LinearScaling:
         if self.recipe.kind == "delayed":
             self.record(x, operand)
             return self.scales[operand]
+        if operand == WEIGHT and self.weight_scales is not None:
+            fixed = self.weight_scales.scale(self)
+            if fixed is not None:
+                return fixed
         amax = self._amax(x)
         if operand in self.split and comm.group_size(self.group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)

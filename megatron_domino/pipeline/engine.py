@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..fp8.weight_scales import fixed_for_the_step
 from ..parallel.device import to_device
 from .device_batches import DeviceBatches
 from .executor import PipelineExecutor, StageContext
@@ -84,14 +85,16 @@ class PipelineEngine:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.mtp_depth:
             self._mtp_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for loss in self.executor.run(program, DeviceBatches(microbatches, self.device)):
-            loss_sum += loss.double()
+        with fixed_for_the_step(self.chunks):
+            for loss in self.executor.run(program, DeviceBatches(microbatches, self.device)):
+                loss_sum += loss.double()
         if self.mtp_depth:  # each depth's mean over the main loss's tokens, averaged over the depths
             self.mtp_loss = self._share_loss(self._mtp_sum, total_tokens) / self.mtp_depth
         return self._share_loss(loss_sum, total_tokens)
 
     def forward_backward(self, microbatches: list[dict], loss_scale: float = 1.0) -> torch.Tensor:
-        """Run the schedule over this rank's micro-batches (in host memory, or already on the device); returns the global-batch mean loss on every rank (a 0-dim device tensor)."""
+        """Run the schedule over this rank's micro-batches (in host memory, or already on the device); returns the
+        global-batch mean loss on every rank (a 0-dim device tensor)."""
         for chunk in self.chunks:
             chunk.train()
         if self.moe_sample_weight is not None:  # the step's weight of the auxiliary losses, in each micro-batch
