@@ -26,14 +26,13 @@ Mixture of experts: a rank holds its ep share of the experts, whose ZeRO shards 
 Activations per token: ``planner/activations.py``, tensor by tensor for this code.
 
 In flight (``pipeline_model.in_flight``, the simulator's peaks): micro-batches, or chunk-micro-batches with several
-chunks per rank, each sized by the rank's largest chunk (under the V rank 0 holds the first stage and the last,
-with the loss's transient; at most pp/2 of its chunk-micro-batches are the last stage's, so it is an upper bound
-there). A split backward (zero-bubble schedules) also holds the gradients its I records until its W
-(``held_gradients.py``): ``pipeline_model.held_gradients`` chunk-micro-batches of them, each sized by the rank's
-largest chunk, added to the activations' peak (they coincide under ZB-H1 and ZB-V; an upper bound for DualPipeV).
-The loss's forward sees one fewer (every split schedule's order): its transient counts less one of them. A
-rehearsal of GPT 1.3B at pp 4, m 8 (``tools/rehearse.py``, its saved-tensor hook returning a detached alias, not
-a cycle that kept the I-only nodes' tensors past W) measured ZB-H1 within 2% on every rank, ZB-V on ranks 1-3.
+chunks per rank, each sized by the rank's largest chunk. A split backward (zero-bubble schedules) also holds the
+gradients its I records until its W (``held_gradients.py``): ``pipeline_model.held_gradients`` chunk-micro-batches
+of them, added to the activations' peak (they coincide under ZB-H1). Under the V (ZB-V, DualPipeV) each rank's
+chunks are weighed apart, state by state of its order (``pipeline_model.v_states``): rank 0's are the first stage
+and the last, with the head's logits. ZB-H1's and ZB-V's loss forward sees one held gradient fewer (their orders),
+so its transient counts less one; DualPipeV's F&B units run it beside one. Rehearsals at pp 4, m 8
+(``tools/rehearse.py``; GPT 1.3B and Llama-3 8B) agree within 2% on every rank of ZB-H1, ZB-V and DualPipeV.
 
 Transient peaks: when the loss's forward computes its softmax it holds the logits (e), one fp32 copy of
 them (16-bit runs, or the masked copy of padded vocabularies: the masked one replaces the plain fp32 copy,
@@ -51,13 +50,13 @@ from functools import cache, wraps
 from ..config.schema import Config
 from ..models.counters import mtp_module_parameters, norm_parameters
 from ..optim.grad_buffer import IN_FLIGHT
-from ..pipeline.schedules import chunk_stage, v_shape
+from ..pipeline.schedules import chunk_stage, schedule_kind, v_shape
 from ..pipeline.stages import layer_partition
 from .activations import chunk_activation_bytes, loss_transient_bytes, recompute_working_bytes, weight_bytes
 from .context_parallel import context_parallel_transient_bytes
 from .hardware import GPU
 from .held_gradients import chunk_held_bytes
-from .pipeline_model import held_gradients, in_flight
+from .pipeline_model import held_gradients, in_flight, v_peak, v_states
 from .moe import expert_replicas, layer_parameters, whole_experts
 
 GIB = 2**30
@@ -282,6 +281,8 @@ def estimate_stages(cfg: Config, dp: int, gpu: GPU) -> list[StageMemory]:
     if cfg.model.recompute == "full":
         attention += recompute_working_bytes(cfg, gpu)
     flights, loss, held = in_flight(cfg, dp), loss_transient_bytes(cfg), held_gradients(cfg, dp)
+    kind = schedule_kind(par.pp, par.virtual_pp, par.pipeline_schedule)
+    states = v_states(kind, par.pp, cfg.train.num_microbatches(dp)) if v_shape(kind) else None
     # per (blocks, MoE blocks, first, last): stages of a uniform split share one value
     chunk_bytes = cache(lambda layers, moe, first, last: chunk_activation_bytes(cfg, gpu, layers, first, last, moe))
     chunk_held = cache(lambda layers, moe, first, last: chunk_held_bytes(cfg, layers, first, last, moe))
@@ -291,14 +292,18 @@ def estimate_stages(cfg: Config, dp: int, gpu: GPU) -> list[StageMemory]:
         chunks = [chunk_stage(par, rank, c) for c in range(par.virtual_pp)]
         shapes = [(len(partition[s]), sum(map(cfg.model.is_moe_layer, partition[s])), s == 0, s == stages - 1)
                   for s in chunks]
-        per_unit, per_held = max(chunk_bytes(*shape) for shape in shapes), max(chunk_held(*shape) for shape in shapes)
+        units, held_units = [chunk_bytes(*shape) for shape in shapes], [chunk_held(*shape) for shape in shapes]
+        per_unit, per_held = max(units), max(held_units)
+        if states is not None:  # the V: chunks of different sizes, counted state by state
+            active, holding, alive = v_peak(states[rank], units, held_units)
+        else:
+            active, holding, alive = flights[rank] * per_unit, held[rank] * per_held, flights[rank]
         last = loss if stages - 1 in chunks else 0.0
-        if held[rank]:  # the loss's forward runs before the I that records the last of them
-            last = max(0.0, last - per_held)
+        if held[rank] and kind != "dualpipev":  # the loss's forward runs before the I that records the last of
+            last = max(0.0, last - per_held)  # them (DualPipeV's F&B units run it beside a held one)
         transient = max(attention, last)
-        result.append(StageMemory(rank, weights, grads, optimizer, flights[rank] * per_unit * tokens,
-                                  transient * tokens, gpu.overhead_gib * GIB, flights[rank], host,
-                                  held[rank] * per_held * tokens))
+        result.append(StageMemory(rank, weights, grads, optimizer, active * tokens, transient * tokens,
+                                  gpu.overhead_gib * GIB, alive, host, holding * tokens))
     return result
 
 

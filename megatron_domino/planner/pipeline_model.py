@@ -26,15 +26,16 @@ Held gradients: the most chunk-micro-batches between their I and the end of thei
 (``zero_bubble_v``: a greedy rule under a memory cap, no closed form; pp/2 to 3pp/2 at m >= 2pp, up to 2pp at
 m = pp); DualPipeV: 1 on rank 0 and 2 (rank + 1) on the others (its cool-down's r + 1 pairs I1 I0). For ZB-H1 and
 ZB-V the most held falls at the activations' peak (the simulator's order), so the two add exactly; DualPipeV's
-falls in its cool-down, where pp + rank + 1 chunk-micro-batches are alive, not 2pp + 1: adding it to the peak is
-an upper bound.
+falls in its cool-down, where pp + rank + 1 chunk-micro-batches are alive, not 2pp + 1, which is why the memory
+estimate weighs the V's states (``v_states``) rather than adding peaks.
 """
 from __future__ import annotations
 
 from functools import cache
 
 from ..config.schema import Config
-from ..pipeline.schedules import interleaved_warmup, schedule_kind
+from ..pipeline.program import computes_of
+from ..pipeline.schedules import build_schedule, interleaved_warmup, schedule_kind
 from ..pipeline.zero_bubble_v import zb_v_orders
 
 
@@ -104,3 +105,36 @@ def held_gradients(cfg: Config, dp: int) -> list[int]:
     if kind == "dualpipev":
         return [2 * (rank + 1) if rank else 1 for rank in range(pp)]
     return [0] * pp
+
+
+@cache
+def v_states(kind: str, pp: int, m: int) -> tuple[frozenset, ...]:
+    """The V schedules (``zb-v``, ``dualpipev``), per rank: every (alive chunk 0, alive chunk 1, held chunk 0,
+    held chunk 1) count of chunk-micro-batches its order passes through. Rank 0's two chunks are the first and
+    the last stage, whose sizes differ (token ids and embedding against the head's logits): sizing all of them
+    like the larger (``in_flight`` x the largest chunk) overstated rank 0 by a quarter against a rehearsal, and
+    adding DualPipeV's peaks of activations and held gradients, which fall at different times, overstated every
+    rank. ``v_peak`` weighs each state by the chunks' sizes. An F&B unit's forward counts before its backward
+    frees (as ``in_flight`` assumes); rank 0's chunk 0 holds no I-recorded gradients (its backward runs as W)."""
+    result = []
+    for rank, program in enumerate(build_schedule(kind, pp, m, 2)):
+        alive, held, states = [0, 0], [0, 0], {(0, 0, 0, 0)}
+        for step in program:
+            for inst in computes_of(step):
+                counted = rank > 0 or inst.chunk == 1
+                alive[inst.chunk] += inst.op == "forward"
+                alive[inst.chunk] -= inst.op in ("backward", "backward_weight")
+                held[inst.chunk] += counted and inst.op == "backward_input"
+                held[inst.chunk] -= counted and inst.op == "backward_weight"
+                states.add((*alive, *held))
+        result.append(frozenset(states))
+    return tuple(result)
+
+
+def v_peak(states: frozenset, unit: list[float], held_unit: list[float]) -> tuple[float, float, int]:
+    """(activation bytes, held-gradient bytes, chunk-micro-batches alive) at the state of ``v_states`` with the most
+    bytes, ``unit`` and ``held_unit`` being each chunk's per chunk-micro-batch."""
+    def weighed(state):
+        return (state[0] * unit[0] + state[1] * unit[1], state[2] * held_unit[0] + state[3] * held_unit[1],
+                state[0] + state[1])
+    return max((weighed(state) for state in states), key=lambda w: w[0] + w[1])
