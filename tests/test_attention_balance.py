@@ -9,6 +9,8 @@ import torch
 from megatron_domino.config import ConfigError
 from megatron_domino.config.schema import Config
 from megatron_domino.data.attention_balance import AttentionBalancer, arrange, imbalance, query_work, rank_work
+from megatron_domino.data.blended_dataset import BlendedDataset
+from megatron_domino.data.gpt_dataset import MockGPTDataset, SampleOptions
 from megatron_domino.data.loader import MicroBatchLoader
 from megatron_domino.data.sample import make_sample
 from megatron_domino.validation import validate_config
@@ -127,6 +129,29 @@ def test_data_parallel_ranks_share_out_the_arranged_global_batch():
         works[balanced] = imbalance(np.stack([load for _, load in cells]))
     _, before, after = arrange(np.stack([rank_work(s, 2) for s in samples]), micro_batch=2, tolerance=0.05)
     assert works[False] == pytest.approx(before) and works[True] == pytest.approx(after) and after < before
+
+
+@pytest.mark.quick
+def test_the_ranks_arrange_from_the_cheap_layout_what_the_whole_samples_give():
+    """The loader arranges from each sample's ``attention_layout`` (tokens and documents, not the whole sample):
+    the same lengths and offsets as the samples themselves (mock and blended datasets), so at dp 2 the ranks
+    train exactly the micro-batches an arrangement of the whole samples gives."""
+    options = SampleOptions(seq_length=64, eod=99, reset_position_ids=True, reset_attention_mask=True)
+    mock = [MockGPTDataset(32, 100, options, seed=1, split_index=s, document_tokens=12) for s in (0, 1)]
+    blended = BlendedDataset(mock, np.array([0, 1] * 16), np.arange(32) // 2)
+    for dataset in (*mock, blended):
+        for i in range(len(dataset)):
+            cheap, whole = dataset.attention_layout(i), dataset[i]
+            assert torch.equal(cheap["tokens"], whole["tokens"]) and torch.equal(cheap["doc_offsets"],
+                                                                                 whole["doc_offsets"])
+    balancer = AttentionBalancer(micro_batch=2, tolerance=0.0, cp_size=2)
+    whole = [mock[0][i] for i in range(16)]
+    order = balancer(whole)
+    for rank in range(2):
+        loader = MicroBatchLoader(mock[0], global_batch_size=16, micro_batch_size=2, dp_rank=rank, dp_size=2,
+                                  arrange=balancer)
+        got = torch.cat([batch["tokens"] for batch in loader.next_step()])
+        assert torch.equal(got, torch.stack([whole[k]["tokens"] for k in order[rank * 8:(rank + 1) * 8]]))
 
 
 @pytest.mark.quick

@@ -73,5 +73,8 @@ class BlendedDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         return self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
 
+    def attention_layout(self, i: int) -> dict:
+        return self.datasets[int(self.dataset_index[i])].attention_layout(int(self.dataset_sample_index[i]))
+
     def documents(self, i: int) -> list[str]:
         return self.datasets[int(self.dataset_index[i])].documents(int(self.dataset_sample_index[i]))

@@ -19,7 +19,7 @@ from megatron_domino.config.errors import DataError
 from . import gpt_index
 from .index_cache import load_or_build
 from .indexed_dataset import IndexedDataset
-from .sample import make_sample
+from .sample import attention_layout, make_sample
 
 _INDEX_FORMAT = 1  # bump when the way indices are built changes, so stale caches are not reused
 
@@ -37,8 +37,22 @@ class SampleOptions:
     def make(self, tokens: np.ndarray) -> dict:
         return make_sample(tokens, self.eod, self.reset_position_ids, self.reset_attention_mask, self.eod_mask_loss)
 
+    def layout(self, tokens: np.ndarray) -> dict:
+        return attention_layout(tokens, self.eod, self.reset_attention_mask)
 
-class GPTDataset(torch.utils.data.Dataset):
+
+class PackedSamples(torch.utils.data.Dataset):
+    """A dataset whose sample i is ``options`` applied to ``sample_tokens(i)`` (its L + 1 packed tokens)."""
+
+    def __getitem__(self, i: int) -> dict:
+        return self.options.make(self.sample_tokens(i))
+
+    def attention_layout(self, i: int) -> dict:
+        """Sample i's length and documents only, for balanced packing (``MicroBatchLoader``)."""
+        return self.options.layout(self.sample_tokens(i))
+
+
+class GPTDataset(PackedSamples):
     """At least ``num_samples`` samples from the documents ``[first_document, last_document)`` of ``indexed``.
 
     Its length is every sample of the epochs that were needed (so at least ``num_samples``).
@@ -92,9 +106,6 @@ class GPTDataset(torch.utils.data.Dataset):
         pieces.append(self.indexed.get(int(self.document_index[last_entry]), 0, last_offset + 1))
         return np.concatenate(pieces).astype(np.int64)
 
-    def __getitem__(self, i: int) -> dict:
-        return self.options.make(self.sample_tokens(i))
-
     def documents(self, i: int) -> list[str]:
         """The documents sample ``i`` packs, as ``PREFIX-NAME:DOCUMENT`` (for reports of a bad step)."""
         j = int(self.shuffle_index[i])
@@ -103,7 +114,7 @@ class GPTDataset(torch.utils.data.Dataset):
         return [f"{name}:{int(self.document_index[k])}" for k in range(first_entry, last_entry + 1)]
 
 
-class MockGPTDataset(torch.utils.data.Dataset):
+class MockGPTDataset(PackedSamples):
     """Deterministic synthetic samples for tests and benchmarks: uniform random tokens below the EOD id, with an
     EOD (vocab_size - 1) at about one position in ``document_tokens`` (``data.mock_document_tokens``) so that the
     reset flags have documents to separate.
@@ -126,9 +137,6 @@ class MockGPTDataset(torch.utils.data.Dataset):
         tokens = rng.integers(0, self.vocab_size - 1, self.options.seq_length + 1, dtype=np.int64)
         tokens[rng.random(len(tokens)) < self.eod_rate] = self.vocab_size - 1
         return tokens
-
-    def __getitem__(self, i: int) -> dict:
-        return self.options.make(self.sample_tokens(i))
 
     def documents(self, i: int) -> list[str]:
         return [f"mock:{self.split_index}:{i}"]

@@ -65,14 +65,17 @@ class MicroBatchLoader:
 
     def next_step(self) -> list[dict]:
         """This rank's micro-batches of the next global batch (dicts of tensors stacked on a new dim 0). With
-        ``arrange``, every rank reads the whole global batch and arranges it alike, micro-batches across all DP
-        ranks, and takes its share of them: DP ranks are balanced against each other too."""
+        ``arrange``, every rank reads the whole global batch's lengths and documents (``attention_layout`` where
+        the dataset has it: the tokens alone, not the whole sample), arranges it alike, micro-batches across all
+        DP ranks, and reads the samples of its share: DP ranks are balanced against each other too."""
         if self.arrange is None:
-            samples = [self.dataset[i] for i in self.rank_sample_ids()]
+            ids = self.rank_sample_ids()
         else:
-            everyone = [self.dataset[i] for i in self.step_sample_ids()]
-            order, per_rank = self.arrange(everyone), self.global_batch_size // self.dp_size
-            samples = [everyone[i] for i in order[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]]
+            everyone = self.step_sample_ids()
+            layout = getattr(self.dataset, "attention_layout", self.dataset.__getitem__)  # the cheap read if any
+            order, per_rank = self.arrange([layout(i) for i in everyone]), self.global_batch_size // self.dp_size
+            ids = [everyone[k] for k in order[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]]
+        samples = [self.dataset[i] for i in ids]
         self._consumed += self.global_batch_size
         m = self.micro_batch_size
         return [collate(samples[k:k + m]) for k in range(0, len(samples), m)]

@@ -31,14 +31,30 @@ def make_sample(tokens: np.ndarray, eod: int, reset_position_ids: bool = False, 
     positions = torch.arange(length, dtype=torch.int64)
     sample = {"tokens": inputs, "labels": labels, "loss_mask": loss_mask}
     if reset_position_ids or reset_attention_mask:
-        starts_here = torch.zeros(length, dtype=torch.bool)
-        starts_here[0] = True
-        starts_here[1:] = is_eod[:-1]  # an EOD in the last position starts no document
+        starts_here = _starts(is_eod)
         if reset_position_ids:
             document_start = torch.cummax(torch.where(starts_here, positions, 0), 0).values
             positions = positions - document_start
         if reset_attention_mask:
-            starts = torch.nonzero(starts_here).flatten()
-            sample["doc_offsets"] = torch.cat([starts, torch.tensor([length])]).to(torch.int32)
+            sample["doc_offsets"] = _offsets(starts_here)
     sample["position_ids"] = positions
     return sample
+
+
+def _starts(is_eod: torch.Tensor) -> torch.Tensor:
+    """[L] bool: a document starts here (position 0, and after each EOD but the last position's)."""
+    starts_here = torch.zeros(len(is_eod), dtype=torch.bool)
+    starts_here[0] = True
+    starts_here[1:] = is_eod[:-1]
+    return starts_here
+
+
+def _offsets(starts_here: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.nonzero(starts_here).flatten(), torch.tensor([len(starts_here)])]).to(torch.int32)
+
+
+def attention_layout(tokens: np.ndarray, eod: int, reset_attention_mask: bool) -> dict:
+    """What balanced packing reads of a sample (``data.attention_balance``), without building the rest of it:
+    its inputs (a view) and, with ``reset_attention_mask``, the ``doc_offsets`` ``make_sample`` gives."""
+    inputs = torch.from_numpy(np.asarray(tokens, dtype=np.int64))[:-1]
+    return {"tokens": inputs, **({"doc_offsets": _offsets(_starts(inputs == eod))} if reset_attention_mask else {})}
