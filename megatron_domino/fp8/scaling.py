@@ -76,12 +76,13 @@ class LinearScaling:
             self.scales = torch.ones(3, device=device)
 
     # --- scales -----------------------------------------------------------------------------------------------
-    def _amax(self, x: torch.Tensor) -> torch.Tensor:
+    def amax(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s amax on this rank (0 for an empty piece), with this recipe's kernels."""
         return self.kernels.amax(x.detach()) if x.numel() else x.new_zeros((), dtype=torch.float32)
 
     def record(self, x: torch.Tensor, operand: int) -> None:
         """Delayed: fold ``x``'s amax into the step's running amax of ``operand`` (on the device, no sync)."""
-        torch.maximum(self.current[operand], self._amax(x), out=self.current[operand])
+        torch.maximum(self.current[operand], self.amax(x), out=self.current[operand])
 
     def scale(self, x: torch.Tensor, operand: int) -> torch.Tensor:
         """The per-tensor scale ``x`` is quantised with (tensorwise and delayed)."""
@@ -92,7 +93,7 @@ class LinearScaling:
             fixed = self.weight_scales.scale(self)
             if fixed is not None:
                 return fixed
-        amax = self._amax(x)
+        amax = self.amax(x)
         if operand in self.split and comm.group_size(self.group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
         return self.recipe.scale(amax, operand)

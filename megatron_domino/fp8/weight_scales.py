@@ -17,6 +17,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ..parallel import comm
 from .scaling import WEIGHT, LinearScaling
 
 
@@ -33,7 +34,7 @@ class BlockWeightScales:
         if not self.active:
             return None
         if self.scales is None:
-            amaxes = torch.stack([member._amax(module.weight) for member, module in self.members])
+            amaxes = torch.stack([member.amax(module.weight) for member, module in self.members])
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=self.group)
             self.scales = {id(member): member.recipe.scale(amax, WEIGHT)
                            for (member, _), amax in zip(self.members, amaxes)}
@@ -50,7 +51,7 @@ def _block_members(block) -> list[tuple[LinearScaling, torch.nn.Module]]:
     for shared in owners.values():
         scaling, module = shared[0]
         if (len(shared) == 1 and scaling.recipe.kind == "tensorwise" and WEIGHT in scaling.split
-                and scaling.group is not None and dist.get_world_size(scaling.group) > 1):
+                and comm.group_size(scaling.group) > 1):
             members.append((scaling, module))
     return members
 

@@ -51,6 +51,7 @@ class BalanceSet:
         self.tokens = self.samples = 0
         self.total: torch.Tensor | None = None  # [E] counts over the set, once every local piece has run
         self.sequence_total: torch.Tensor | None = None  # [samples, E] per sequence, over the CP ring
+        self.running: torch.Tensor | None = None  # global scope: ``total`` summed over micro-batches 0..index
         self._works = []
 
     def add(self, counts: torch.Tensor, tokens: int, samples: int, sample_counts: torch.Tensor | None = None) -> int:
@@ -104,9 +105,20 @@ class BalanceSet:
         if missing:
             raise RuntimeError(f"an MoE layer's backward of micro-batch {self.index} ran before the forward of "
                                f"micro-batch {missing[0]}: the global balance loss averages the step's earlier ones")
-        running = sum(self.earlier[i]._settled().total for i in range(self.index + 1))
         every_rank = self.tokens * comm.group_size(self.count_group) * (self.index + 1)
-        return running / (every_rank * self.topk), tokens
+        return self._running() / (every_rank * self.topk), tokens
+
+    def _running(self) -> torch.Tensor:
+        """The counts of micro-batches 0..index summed: each set keeps its running sum, made from the one before
+        it once (one add per micro-batch and layer, however many pieces and micro-batches ask)."""
+        first = self.index
+        while first > 0 and self.earlier[first - 1].running is None:
+            first -= 1
+        for i in range(first, self.index + 1):
+            here = self.earlier[i]
+            if here.running is None:
+                here.running = here._settled().total + (self.earlier[i - 1].running if i else 0)
+        return self.running
 
     def sequence_fractions(self) -> tuple[torch.Tensor, int]:
         """([samples, E] f_(b,i) = counts_(b,i) / (T_seq * k) of each sequence, T_seq), after ``fractions``."""
