@@ -65,12 +65,14 @@ def test_v_schedules_train_like_one_process_at_pp4_pp2_dp2_and_cp2():
 
 
 EIGHT_RANKS = [_v(GPT, "zb-v", 1, tp=2, pp=2, dp=2, domino_split="2d"),
-               _v(LLAMA, "dualpipev", 1, tp=2, pp=2, dp=2, sequence_parallel=True),  # Domino's row split
+               # Domino's row split; ZeRO-3 gathers while the F&B units' halves take turns (parallel/turns.py)
+               _v(LLAMA, "dualpipev", 1, zero=3, tp=2, pp=2, dp=2, sequence_parallel=True, overlap_f_and_b=True),
                _v(GPT, "zb-v", 1, tp=2, pp=2, dp=2, domino_split="column")]
 
 
 def test_v_schedules_train_like_one_process_at_tp2_pp2_dp2_with_domino():
-    """8 ranks: tp 2 x pp 2 x dp 2 under each Domino split (row with SP under dualpipev, 2-D and column under zb-v)."""
+    """8 ranks: tp 2 x pp 2 x dp 2 under each Domino split (row with SP, ZeRO-3 and the F&B turns under dualpipev,
+    2-D and column under zb-v)."""
     per_rank = run_ranks(_check, 8, EIGHT_RANKS, timeout=600)
     _assert_all_covered(EIGHT_RANKS, per_rank)
 

@@ -32,8 +32,9 @@ def _reference(model):
     return reference_steps(model, ({"tokens": t, "labels": l, "loss_mask": m} for t, l, m in _batches(model)), LR)
 
 
-def _train(world_size, cfg):
-    """6 SGD steps of ``cfg``'s layout (its micro batch; its optimizer, else ``OPT``)."""
+def _train(world_size, cfg, check_engine=None):
+    """6 SGD steps of ``cfg``'s layout (its micro batch; its optimizer, else ``OPT``); ``check_engine(engine)``
+    once the engine exists."""
     micro = cfg.train.micro_batch_size
 
     def steps(ps):
@@ -47,6 +48,8 @@ def _train(world_size, cfg):
         assert isinstance(engine.executor.p2p, StrictP2P)
         if cfg.parallel.pipeline_schedule == "zb-h1":
             assert any(s.op == "backward_weight" for s in engine.program)
+        if check_engine is not None:
+            check_engine(engine)
     optimizer = cfg.optimizer if cfg.optimizer.name == "sgd" else OPT
     return train_steps(world_size, cfg, optimizer, steps, LR, under_strict_transport)
 

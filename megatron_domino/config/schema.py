@@ -57,6 +57,10 @@ class ParallelConfig:
     # PIPELINE_SCHEDULES; None: interleaved when virtual_pp > 1, else 1f1b. zb-h1: zero-bubble (split backward);
     # zb-v, dualpipev: V_SCHEDULES (virtual_pp 2 implied when left unset)
     pipeline_schedule: Optional[str] = None
+    # dualpipev: each F&B unit's forward and backward take turns at their communication waits, one's Domino
+    # all-reduces flying while the other computes (parallel/turns.py); false: the halves run one after the other
+    # (the default until a GPU run measures the turns: on the CPU they hide waits but gain no time)
+    overlap_f_and_b: bool = False
     variable_seq_lengths: bool = False
     backend: str = "auto"  # BACKENDS
     timeout_s: float = 600.0  # watchdog: seconds without progress before a rank reports the hang and exits

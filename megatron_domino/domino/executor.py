@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 from torch.profiler import record_function
 
+from ..parallel import turns
 from ..tensor_parallel.async_comm import WaitForInputGradient
 from .order import EMBEDDING, HEAD, Step
 
@@ -101,6 +102,7 @@ def run_order(order: list[Step], blocks, inputs: list, contexts: list, *, column
         with record_function(f"domino {step.trace_name()}"):  # a named range per step in profiles
             c = step.chunk
             if step.op == "wait":
+                turns.before_forward_wait()  # in an overlapped F&B unit, the backward computes meanwhile
                 state[c] = state[c].finish()
                 continue
             marks.append(sequence_mark())

@@ -10,7 +10,8 @@ gradient synchroniser's hook, come with the W. A failure names the step and the 
 
 The V schedules (zb-v, dualpipev: ``StageContext.v_shape``) place chunk 1 on the way back up, so its transfers
 go to the previous rank and its gradients to the next; at the turn (rank pp - 1, chunk 0 to chunk 1) the
-activation and its gradient are handed over locally. An ``Overlapped`` F&B unit runs its halves in turn.
+activation and its gradient are handed over locally. An ``Overlapped`` F&B unit runs its halves in turns at
+their communication waits (``parallel.turns``) when ``overlap_units`` is set, else one after the other.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from typing import Callable
 import torch
 from torch.profiler import record_function
 
+from ..parallel.turns import Turns
 from .p2p import ACTIVATION, GRADIENT, P2P, Arrival, Transfer
-from .program import BACKWARDS, Instruction, TransferGroup, computes_of, stage_rank, virtual_stage
+from .program import BACKWARDS, Instruction, Overlapped, TransferGroup, computes_of, stage_rank, virtual_stage
 from .split_backward import backward_input, backward_weight, run_backward
 
 
@@ -46,13 +48,16 @@ def _release(output: torch.Tensor) -> None:
 
 class PipelineExecutor:
     def __init__(self, chunks: list, stage: StageContext, p2p: P2P, *,
-                 loss_fn: Callable, on_backward: Callable[[bool], None] | None = None):
+                 loss_fn: Callable, on_backward: Callable[[bool], None] | None = None,
+                 overlap_units: torch.device | None = None):
         """``loss_fn(per_token_loss, batch) -> (loss_to_backprop, detached loss sum)`` on the last stage;
         ``on_backward(is_last)`` is called before every backward, B, I and W, all of which may produce weight
         gradients (B under Domino: ``split_backward``), with whether it is the last of its kind (the DP
-        gradient sync's hook)."""
+        gradient sync's hook). ``overlap_units``: the device on which F&B units run their halves in turns
+        (None: in sequence); ``handovers`` counts the turns taken."""
         self.chunks, self.stage, self.p2p = chunks, stage, p2p
         self.loss_fn, self.on_backward = loss_fn, on_backward
+        self.overlap_units, self.handovers = overlap_units, 0
         self.num_stages = stage.pp * stage.virtual_pp
         self.current: Instruction | TransferGroup | None = None
         self.waiting: Arrival | None = None  # the receive being waited for, for hang reports
@@ -82,8 +87,10 @@ class PipelineExecutor:
                 if isinstance(step, TransferGroup):
                     self._exchange(step)
                     continue
-                for inst in computes_of(step):  # an Overlapped F&B unit: its forward, then its backward
-                    self._compute(inst, microbatches, losses)
+                if isinstance(step, Overlapped):
+                    self._overlapped(step, microbatches, losses)
+                else:
+                    self._compute(step, microbatches, losses)
         self.current = None
         self.p2p.drain()
         self._outputs.clear()
@@ -106,6 +113,18 @@ class PipelineExecutor:
         if key in self._grads_in:
             self._grads_in[key] = self._arrived(self._grads_in[key])
         self._backward(inst, inst.microbatch == self._last_backward[inst.chunk])
+
+    def _overlapped(self, unit: Overlapped, microbatches, losses) -> None:
+        """An F&B unit: its forward on a helper thread and its backward here, taking turns at their waits, or
+        (``overlap_units`` None) the forward, then the backward."""
+        if self.overlap_units is None:
+            for half in unit.halves:
+                self._compute(half, microbatches, losses)
+            return
+        turns = Turns(self.overlap_units)
+        turns.run(lambda: self._compute(unit.forward, microbatches, losses),
+                  lambda: self._compute(unit.backward, microbatches, losses))
+        self.handovers += turns.handovers
 
     def _exchange(self, group: TransferGroup) -> None:
         """One transfer group: sends of what was computed, receives of what comes next (waited for by the

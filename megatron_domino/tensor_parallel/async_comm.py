@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..fp8.linear import fp8_forward, linear, linear_backward
-from ..parallel import comm
+from ..parallel import comm, turns
 
 
 @contextmanager
@@ -179,6 +179,7 @@ class WaitForInputGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        turns.before_backward_wait()  # in an overlapped F&B unit, the forward computes meanwhile
         return ctx.pending.finish(grad), None
 
 

@@ -1,0 +1,155 @@
+"""DualPipeV's F&B unit, its halves in turns (``parallel.overlap_f_and_b``, ``parallel/turns.py``) against in
+sequence, on a throttled link, beside the same unit without TP communication (the bound).
+
+    python benchmarks/f_and_b.py                       # tp 2, 1gbit, 2gbit and the raw loopback
+    python benchmarks/f_and_b.py --rates 500mbit --hidden 512 --seq 256
+
+The unit alone, at tp 2 with Domino (row split, 2 μ-chunks): one torchrun job of 2 ranks per link rate (inside
+``benchmarks/throttled.sh``, so transfers wait on a "wire" while the cores compute: one core per rank, as on a
+GPU where compute and NCCL's transfers run side by side). Its pipeline neighbours would only add the unit's
+receives before it and its sends after it, so they are left out: at tp 2 x pp 2 on these 2 cores the 4 ranks
+would share the cores, and a rank's exposed wait would only give its core to another rank. Each round runs
+the forward of micro-batch A and the backward of micro-batch B (whose forward ran before the round, untimed)
+in each mode, in an order that rotates from round to round so that drift hits every mode alike:
+  sequence  the forward, then the backward: the last μ-chunk's all-reduce of every phase is waited for with
+            nothing to hide behind;
+  turns     the forward on a helper thread, handing the turn to the backward before each Domino wait, the
+            backward handing it back before each input-gradient wait;
+  nocomm    turns with every TP all-reduce and reduce-scatter skipped (wrong numbers, the bound).
+Medians over the rounds of the slower rank's unit time, exposed = (mode - nocomm) / mode, and of a rank's time
+inside Domino's waits (the forward's row-parallel reduces, the backward's input-gradient reduces; nocomm's is what
+those calls cost without communication): the communication the unit could not hide.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import time
+
+from common import (MODEL_FLAGS, add_model_args, add_throttled_job_args, build_trainer, format_table, forward_flags,
+                    launch, load_benchmark_config, model_overrides, read_json, run_harness, tp_communication_skipped,
+                    write_json)
+
+MODES = ("turns", "sequence", "nocomm")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser, hidden=512, heads=8, layers=4, seq=256, micro_batch=2)
+    parser.add_argument("--rates", default="1gbit,2gbit,none", help="comma-separated link rates; none: raw loopback")
+    parser.add_argument("--rounds", type=int, default=9, help="timed rounds (every mode once each)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    add_throttled_job_args(parser, "f_and_b")
+    return parser.parse_args(argv)
+
+
+def _batch(args, seed: int) -> dict:
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    shape = (args.micro_batch, args.seq)
+    return {"tokens": torch.randint(0, args.vocab, shape, generator=g),
+            "labels": torch.randint(0, args.vocab, shape, generator=g)}
+
+
+@contextlib.contextmanager
+def blocked_in_waits(seconds: list):
+    """Add to ``seconds[0]`` the time spent in Domino's waits: the forward's row-parallel reduces
+    (``PendingReduce.wait``) and the backward's input-gradient reduces (``PendingInputGradient.finish``)."""
+    from megatron_domino.tensor_parallel import async_comm
+    originals = {cls: cls.__dict__[name] for cls, name in ((async_comm.PendingReduce, "wait"),
+                                                          (async_comm.PendingInputGradient, "finish"))}
+
+    def timed(function):
+        def call(*args):
+            start = time.perf_counter()
+            try:
+                return function(*args)
+            finally:
+                seconds[0] += time.perf_counter() - start
+        return call
+    for cls, function in originals.items():
+        setattr(cls, function.__name__, timed(function))
+    try:
+        yield
+    finally:
+        for cls, function in originals.items():
+            setattr(cls, function.__name__, function)
+
+
+def _unit(trainer, mode: str, batch_a: dict, batch_b: dict) -> tuple[float, float]:
+    """(seconds, seconds blocked in Domino's waits) of one F&B unit: the forward of ``batch_a`` and the backward
+    of ``batch_b`` (whose forward runs first, untimed)."""
+    import torch
+    import torch.distributed as dist
+    from megatron_domino.parallel.turns import Turns
+    from megatron_domino.pipeline.split_backward import run_backward
+    chunk, held, blocked = trainer.chunks[0], {}, [0.0]
+    trainer.optimizer.zero_grad()
+    loss_b = chunk(None, batch_b).sum()
+    skipped = tp_communication_skipped(trainer.state.tp_group) if mode == "nocomm" else contextlib.nullcontext()
+    forward = lambda: held.__setitem__("a", chunk(None, batch_a))  # noqa: E731
+    backward = lambda: run_backward(loss_b, None)  # noqa: E731
+    dist.barrier()
+    with skipped, blocked_in_waits(blocked):
+        start = time.perf_counter()
+        if mode == "sequence":
+            forward()
+            backward()
+        else:
+            Turns(torch.device("cpu")).run(forward, backward)
+        return time.perf_counter() - start, blocked[0]
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(args.threads)
+    overrides = model_overrides(args, "f_and_b") + [
+        "parallel.tp=2", "parallel.domino=true", "parallel.domino_chunks=2", "optimizer.overlap_grad_reduce=false",
+        f"train.global_batch_size={args.micro_batch}"]
+    trainer = build_trainer(load_benchmark_config(overrides))
+    batch_a, batch_b = _batch(args, 1), _batch(args, 2)
+    timings = {mode: [] for mode in MODES}
+    for round_index in range(args.warmup + args.rounds):
+        for mode in MODES[round_index % 3:] + MODES[:round_index % 3]:
+            result = _unit(trainer, mode, batch_a, batch_b)
+            if round_index >= args.warmup:
+                timings[mode].append(result)
+    trainer.close()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, timings)
+    if dist.get_rank() == 0:
+        rounds = range(args.rounds)
+        write_json(args.json, {"args": vars(args), "unit_s": {
+            mode: statistics.median(max(rank[mode][k][0] for rank in everyone) for k in rounds) for mode in MODES},
+            "waits_s": {mode: statistics.median(rank[mode][k][1] for rank in everyone for k in rounds)
+                        for mode in MODES}})
+
+
+def report(rate: str, data: dict) -> str:
+    a, unit, waits = data["args"], data["unit_s"], data["waits_s"]
+    rows = [[mode, f"{unit[mode] * 1e3:.1f}", f"{unit[mode] / unit['sequence']:.2f}",
+             f"{(unit[mode] - unit['nocomm']) / unit[mode]:.0%}", f"{waits[mode] * 1e3:.1f}",
+             f"{(waits[mode] - waits['nocomm']) * 1e3:.1f}"] for mode in MODES]
+    return "\n".join([
+        f"link {rate}: F&B unit of a GPT (hidden {a['hidden']}, layers {a['layers']}, seq {a['seq']}, "
+        f"micro batch {a['micro_batch']}), tp 2, Domino row split (2 μ-chunks); median of {a['rounds']} rounds",
+        format_table(["mode", "unit ms", "/ sequence", "exposed", "in waits ms", "- nocomm's"], rows)])
+
+
+def drive(args) -> None:
+    flags = forward_flags(args, MODEL_FLAGS + ("rounds", "warmup"))
+    base, ext = os.path.splitext(args.json)
+    reports = []
+    for rate in args.rates.split(","):
+        path = f"{base}-{rate}{ext}"
+        launch(os.path.abspath(__file__), 2, flags + ["--json", path], rate=None if rate == "none" else rate,
+               netem=args.netem)
+        reports.append(report(rate, read_json(path)))
+    print("\n\n".join(reports))
+
+
+if __name__ == "__main__":
+    run_harness(parse_args(), worker, drive)
