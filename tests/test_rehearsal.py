@@ -93,6 +93,9 @@ LAYOUTS = [  # (tiny config, world size, overrides): the parity tests' layouts
                                     "optimizer.zero_stage=2", "train.bf16=true"]),
     ("configs/tiny/llama.yaml", 4, ["parallel.pp=2", "parallel.virtual_pp=2"]),
     ("configs/tiny/gpt.yaml", 4, ["parallel.tp=2", "parallel.pp=2", "parallel.pipeline_schedule=zb-h1"]),
+    # the F&B units' forward halves on their helper thread: device, stream and fake-tensor modes taken over
+    ("configs/tiny/gpt.yaml", 4, ["parallel.tp=2", "parallel.pp=2", "parallel.pipeline_schedule=dualpipev",
+                                  "parallel.domino=true", "parallel.overlap_f_and_b=true"]),
     ("configs/tiny/llama.yaml", 4, ["parallel.cp=2", "data.reset_attention_mask=true", "data.reset_position_ids=true",
                                     "data.mock_document_tokens=16"]),
     ("configs/tiny/llama.yaml", 8, ["parallel.pp=4", "parallel.cp=2"]),  # middle stages build RoPE positions
@@ -121,6 +124,25 @@ def test_the_parity_layouts_sync_with_the_host_only_by_design():
             assert any(path in site and "by design" in site for site in sites), (where, sites)
         if not expected and "configs/tiny/mixtral.yaml" not in result["config"]:
             assert sites == [], (where, sites)
+
+
+@pytest.mark.quick
+def test_the_fewest_micro_batches_of_a_rehearsal_fill_the_v():
+    """``microbatches="auto"`` never asks a V schedule for fewer micro-batches than it runs with (zb-v pp,
+    dualpipev 2 pp), and keeps each rank's in-flight peak; 1F1B still needs only 2 on its last rank."""
+    from megatron_domino.pipeline.program import max_in_flight
+    from megatron_domino.pipeline.schedules import build_schedule
+    from megatron_domino.rehearsal.rehearse import fewest_microbatches
+    for kind, least in (("zb-v", 4), ("dualpipev", 8), ("1f1b", 2)):
+        cfg = load_config(os.path.join(REPO, "configs/tiny/gpt.yaml"), [
+            "parallel.pp=4", "model.num_layers=8", f"parallel.pipeline_schedule={kind}", "train.global_batch_size=64"])
+        v = cfg.parallel.virtual_pp
+        for rank in range(4):
+            count = fewest_microbatches(cfg, 1, rank)
+            assert least <= count <= 32, (kind, rank, count)
+            peak = [max_in_flight(build_schedule(kind, 4, m, v)[rank]) for m in (count, 32)]
+            assert peak[0] == peak[1], (kind, rank, count)
+        assert kind != "1f1b" or fewest_microbatches(cfg, 1, 3) == 2
 
 
 def test_the_tool_writes_every_role_with_the_documented_fields(tmp_path):

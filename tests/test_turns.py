@@ -68,6 +68,30 @@ def test_the_forward_computes_as_the_caller_would():
     assert torch.equal(weight.grad, torch.arange(3.0))
 
 
+def test_the_callers_dispatch_modes_see_the_forwards_ops():
+    """A dispatch mode the caller runs under (a rehearsal's fake tensors, a FLOP counter) also sees the ops of the
+    forward on the helper thread, and is gone from that thread's stack afterwards."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _len_torch_dispatch_stack
+
+    class Counting(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append((threading.current_thread().name, func.__name__))
+            return func(*args, **(kwargs or {}))
+
+    depth = {}
+
+    def forward():
+        torch.ones(2).mul(3)
+        depth["inside"] = _len_torch_dispatch_stack()
+    with Counting() as counting:
+        Turns(CPU).run(forward, lambda: None)
+    assert ("f&b-forward", "mul.Tensor") in counting.ops and depth["inside"] == 1
+
+
 def test_a_failing_backward_stops_the_forward_and_is_raised():
     events = []
     with pytest.raises(ValueError, match="B failed at piece 1"):

@@ -10,8 +10,9 @@ computes, and B's while F computes, on one compute stream; NCCL's streams carry 
 Why a thread and not a generator: F runs through whatever wraps a chunk's forward (ZeRO-3's saved-tensor hooks,
 recompute, FP8), and torch keeps grad mode, saved-tensor hooks and the current CUDA stream per thread. On its own
 thread F keeps its state across a handover, and B (on the caller, or on the autograd engine's device thread on
-CUDA) keeps its own. The helper takes the caller's device, current stream, grad mode and outermost saved-tensor
-hooks (activation offload, the rehearsal's accounting) when it starts.
+CUDA) keeps its own. The helper takes the caller's device, current stream, grad mode, outermost saved-tensor
+hooks (activation offload, the rehearsal's accounting) and torch function and dispatch modes (a rehearsal's fake
+tensors) when it starts.
 
 Exactly one side runs at any time and the handovers fall at the same points of the same program on every rank,
 so every rank issues its collectives in the same order (NCCL's rule), and the numbers are those of the unit run
@@ -24,6 +25,7 @@ import threading
 from typing import Callable
 
 import torch
+from torch.utils import _python_dispatch
 
 from .device import cuda
 
@@ -129,20 +131,50 @@ def before_backward_wait() -> None:
         turns._hand_to(FORWARD)
 
 
+class _Modes:
+    """The caller's torch function and dispatch modes (a profiler's, a debug mode, a rehearsal's fake tensors),
+    pushed onto this thread's stacks, bottom first, and popped on exit."""
+
+    def __init__(self):
+        self.functions = torch.overrides._get_current_function_mode_stack()
+        self.dispatches = _python_dispatch._get_current_dispatch_mode_stack()
+
+    def __enter__(self):
+        for mode in self.functions:
+            torch._C._push_on_torch_function_stack(mode)
+        for mode in self.dispatches:
+            _python_dispatch._push_mode(mode)
+        return self
+
+    def __exit__(self, *exc):
+        for mode in reversed(self.dispatches):
+            _python_dispatch._pop_mode(getattr(mode, "_mode_key", None))
+        for _ in self.functions:
+            torch._C._pop_torch_function_stack()
+
+
 def _thread_setup(device: torch.device) -> Callable[[], list]:
     """What the forward's thread must enter first to compute as the caller would (taken on the caller now)."""
     grad = torch.is_grad_enabled()
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)  # (pack, unpack) or None
     stream = cuda.current_stream(device) if device.type == "cuda" else None
+    modes = _Modes()
 
     def setup() -> list:
         if device.type == "cuda":  # a new thread starts on device 0
             cuda.set_device(device.index if device.index is not None else 0)
-        contexts = [torch.set_grad_enabled(grad), cuda.stream(stream)]
+        contexts = [torch.set_grad_enabled(grad), cuda.stream(stream), modes]
         if hooks is not None:
             contexts.append(torch.autograd.graph.saved_tensors_hooks(*hooks))
-        for context in contexts:
-            context.__enter__()
-        return contexts
+        entered = []
+        try:
+            for context in contexts:
+                context.__enter__()
+                entered.append(context)
+        except BaseException:
+            for context in reversed(entered):
+                context.__exit__(None, None, None)
+            raise
+        return entered
 
     return setup

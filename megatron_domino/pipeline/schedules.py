@@ -87,9 +87,14 @@ def chunk_stage(parallel, pp_rank: int, chunk: int) -> int:
     return virtual_stage(pp_rank, chunk, parallel.pp, v_shape(kind))
 
 
+def least_microbatches(kind: str, pp: int) -> int:
+    """The fewest micro-batches per step that ``kind`` runs with: the V's fill (zb-v pp, dualpipev 2 pp), else 1."""
+    return {"zb-v": pp, "dualpipev": 2 * pp}.get(kind, 1)
+
+
 def _check_v(c: Checks, kind: str, pp: int, virtual_pp: int, num_microbatches: int | None) -> None:
     """zb-v and dualpipev: exactly 2 chunks per rank, and enough micro-batches to fill the V."""
-    least = pp if kind == "zb-v" else 2 * pp
+    least = least_microbatches(kind, pp)
     if virtual_pp != 2:
         c.fail("parallel.virtual_pp", virtual_pp, f"the {kind} schedule holds exactly 2 model chunks per pipeline "
                f"rank (a V: rank r holds stages r and 2 * pp - 1 - r)", "leave parallel.virtual_pp unset (2 is "

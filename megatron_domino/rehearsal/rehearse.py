@@ -11,8 +11,9 @@ optimizer state); step 2 is steady state, where the peak memory, the collectives
 measured. The fake CUDA library must be loaded before torch is imported: ``tools/rehearse.py`` does that.
 
 Micro-batches: a step with m of them holds at most as many in flight as the schedule says, reached long
-before m for large m. ``microbatches="auto"`` runs the fewest (at least 2, so gradients accumulate) that give
-every rank the same in-flight peak as the config's m, taken from the schedule itself, and says so.
+before m for large m. ``microbatches="auto"`` runs the fewest (at least 2, so gradients accumulate, and as many as
+a V schedule needs to fill its V) that give every rank the same in-flight peak as the config's m, taken from the
+schedule itself, and says so.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from ..optim.weight_store import ShardedWeights
 from ..parallel import device
 from ..parallel.topology import Topology
 from ..pipeline.program import max_in_flight
-from ..pipeline.schedules import build_schedule, schedule_kind
+from ..pipeline.schedules import build_schedule, least_microbatches, schedule_kind
 from ..planner.hardware import get_gpu
 from ..planner.memory import GIB, estimate_stages
 from ..training.checkpoint_dir import RUN_DIRS_VERDICT
@@ -86,7 +87,8 @@ def fewest_microbatches(cfg, dp: int, pp_rank: int) -> int:
     def peak(count: int) -> int:
         return max_in_flight(build_schedule(kind, par.pp, count, par.virtual_pp)[pp_rank])
     target, step = peak(m), par.pp if kind == "interleaved" else 1
-    return next((count for count in range(step * -(-2 // step), m, step) if peak(count) == target), m)
+    least = max(2, least_microbatches(kind, par.pp))  # the V schedules need theirs to fill the V
+    return next((count for count in range(step * -(-least // step), m, step) if peak(count) == target), m)
 
 
 def role_config(path: str, overrides: list[str], job, dp: int, pp_rank: int, microbatches="auto"):
