@@ -197,13 +197,17 @@ def test_sequence_parallel_without_tp_warns():
 
 
 def test_f_and_b_turns_without_their_units_warn():
-    """The turns need dualpipev's F&B units and Domino's waits at tp > 1; elsewhere the setting is said to do
-    nothing."""
+    """The turns need dualpipev's F&B units, and Domino's waits at tp > 1 or the experts' exchanges at ep > 1;
+    elsewhere the setting is said to do nothing."""
     v_tp2 = ["model.num_layers=4", "parallel.pp=2", "parallel.tp=2", "parallel.pipeline_schedule=dualpipev",
              "train.micro_batch_size=2", "train.global_batch_size=8", "parallel.overlap_f_and_b=true"]
     assert validate_config(load_config(None, BASE + v_tp2 + ["parallel.domino=true"]), check_paths=False,
                            world_size=4) == []
-    for unused in (["parallel.domino=false"], ["parallel.domino=true", "parallel.pipeline_schedule=zb-v"]):
+    experts = ["parallel.tp=1", "parallel.dp=2", "model.num_experts=4", "parallel.ep=2", "train.global_batch_size=16"]
+    assert validate_config(load_config(None, BASE + v_tp2 + experts), check_paths=False, world_size=4) == []
+    for unused in (["parallel.domino=false"], ["parallel.domino=true", "parallel.pipeline_schedule=zb-v"],
+                   ["parallel.tp=1", "parallel.dp=2", "parallel.pipeline_schedule=zb-v", "model.num_experts=4",
+                    "parallel.ep=2"]):
         warnings = validate_config(load_config(None, BASE + v_tp2 + unused), check_paths=False, world_size=4)
         assert len(warnings) == 1 and "parallel.overlap_f_and_b=true has no effect" in warnings[0], unused
 

@@ -5,8 +5,9 @@ gloo would not enforce: two all-reduces of one shape swapped on one rank sum the
 
 tp 2 x pp 2 (4 ranks) with Domino: Llama with the row split and SP, GPT with the column split and full
 recompute (the backward's recompute runs while the forward's thread waits for its turn), and a dropless MoE
-(auxiliary losses on; its reference routes per micro-batch, ``tests.test_moe._reference``). ZeRO-3 with the
-turns runs in ``test_pipeline_v_training`` (tp 2 x pp 2 x dp 2).
+(auxiliary losses on; its reference routes per micro-batch, ``tests.test_moe._reference``); and the MoE at
+pp 2 x dp 2 x ep 2 without TP, whose turns fall at the experts' exchanges. ZeRO-3 with the turns runs in
+``test_pipeline_v_training`` (tp 2 x pp 2 x dp 2).
 """
 import json
 import re
@@ -31,14 +32,16 @@ pytestmark = pytest.mark.slow  # multi-rank training runs: the whole suite, not 
 
 
 
-def _layout(model, micro, **parallel):
-    return layout_config(model, micro, GLOBAL_BATCH, OPT, tp=2, pp=2, virtual_pp=2, domino=True,
+def _layout(model, micro, tp=2, **parallel):
+    return layout_config(model, micro, GLOBAL_BATCH, OPT, tp=tp, pp=2, virtual_pp=2, domino=True,
                          pipeline_schedule="dualpipev", overlap_f_and_b=True, **parallel)
 
 
 MOE = replace(DROPLESS_LLAMA, num_layers=4)
 LAYOUTS = [_layout(LLAMA, 2, sequence_parallel=True), _layout(replace(GPT, recompute="full"), 1, domino_split="column"),
-           _layout(MOE, 2)]
+           _layout(MOE, 2),
+           # no TP: the turns fall at the experts' exchanges alone (dispatch and combine, forward and backward)
+           _layout(MOE, 1, tp=1, dp=2, ep=2)]
 _RECORDED = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single", "broadcast")
 
 
@@ -50,7 +53,8 @@ def _record_collectives(calls: list) -> dict:
     def recording(name, original):
         def call(tensor, *args, group=None, **kwargs):
             ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-            calls.append((ranks, name, tuple(tensor.shape)))
+            varies = name == "all_to_all_single"  # the experts' exchange: each member's rows differ
+            calls.append((ranks, name, None if varies else tuple(tensor.shape)))
             return original(tensor, *args, group=group, **kwargs)
         return call
     for name, original in originals.items():
@@ -104,18 +108,26 @@ def test_f_and_b_turns_equal_the_halves_in_sequence_and_one_process():
         for group in groups:  # every member of every group: the same collectives in the same order
             orders = [[(name, shape) for ranks, name, shape in calls[member] if ranks == group] for member in group]
             assert all(order == orders[0] for order in orders), (cfg.parallel.domino_split, group)
-        assert any(len(group) == 2 and group[1] - group[0] == 1 for group in groups)  # the TP groups were seen
+        if cfg.parallel.tp > 1:
+            assert any(len(group) == 2 and group[1] - group[0] == 1 for group in groups)  # the TP groups were seen
+        else:
+            assert any(name == "all_to_all_single" for rank_calls in calls for _, name, _ in rank_calls)
 
 
 def test_the_benchmark_times_every_mode(tmp_path):
-    """benchmarks/f_and_b.py on the raw loopback at a tiny size: each mode's row, and the no-communication bound's
-    time in Domino's waits below the sequence's (the waits it measures are the TP reduces')."""
+    """benchmarks/f_and_b.py on the raw loopback at a tiny size, both layouts: each mode's row, and at tp 2 the
+    no-communication bound's time in Domino's waits below the sequence's (the waits it measures are the TP
+    reduces')."""
     path = tmp_path / "f_and_b.json"
     result = subprocess.run([sys.executable, "benchmarks/f_and_b.py", "--rates", "none", "--hidden", "64", "--heads",
                              "4", "--seq", "32", "--vocab", "256", "--rounds", "1", "--warmup", "1", "--json",
-                             str(path)], cwd=REPO, env=environment(), capture_output=True, text=True, timeout=180)
+                             str(path)], cwd=REPO, env=environment(), capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    for mode in ("turns", "sequence", "nocomm"):
-        assert re.search(rf"^{mode}\s+\d+\.\d\s+\d\.\d\d\s+-?\d+%\s+\d+\.\d", result.stdout, re.M), result.stdout
-    data = json.loads(path.with_name("f_and_b-none.json").read_text())
-    assert data["waits_s"]["nocomm"] < data["waits_s"]["sequence"]
+    for layout, modes in (("tp2", ("turns", "sequence", "nocomm")), ("ep2", ("turns", "sequence"))):
+        assert re.search(rf"^{layout}, link none: F&B unit", result.stdout, re.M), result.stdout
+        for mode in modes:
+            assert re.search(rf"^{mode}\s+\d+\.\d\s+\d\.\d\d\s+(-?\d+%|-)\s+-?\d+\.\d", result.stdout, re.M)
+        data = json.loads(path.with_name(f"f_and_b-{layout}-none.json").read_text())
+        assert sorted(data["unit_s"]) == sorted(modes)
+    tp2 = json.loads(path.with_name("f_and_b-tp2-none.json").read_text())
+    assert tp2["waits_s"]["nocomm"] < tp2["waits_s"]["sequence"]

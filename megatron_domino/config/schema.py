@@ -58,8 +58,8 @@ class ParallelConfig:
     # zb-v, dualpipev: V_SCHEDULES (virtual_pp 2 implied when left unset)
     pipeline_schedule: Optional[str] = None
     # dualpipev: each F&B unit's forward and backward take turns at their communication waits, one's Domino
-    # all-reduces flying while the other computes (parallel/turns.py); false: the halves run one after the other
-    # (the default until a GPU run measures the turns: on the CPU they hide waits but gain no time)
+    # all-reduces and expert exchanges flying while the other computes (parallel/turns.py); false: in sequence
+    # (the default until a GPU run measures the turns: on the CPU they hide waits, gaining time on a slow link only)
     overlap_f_and_b: bool = False
     variable_seq_lengths: bool = False
     backend: str = "auto"  # BACKENDS

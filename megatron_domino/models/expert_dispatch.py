@@ -10,21 +10,27 @@ Expert-parallel rank j of ep holds experts [j * L, (j + 1) * L), L = num_experts
    by local expert (each expert's rows: source 0's first, each source's in its token order).
 3. **combine**: the experts' outputs, in that order, are permuted back and return by the reverse exchange.
 
-Backward of an exchange is the exchange with the splits swapped. Every member of the group issues the
-same collectives in the same order (the pipeline schedule and the Domino order are the same on every
-data-parallel rank), on device tensors, as NCCL requires. Without EP (``group`` None) nothing moves.
+Backward of an exchange is the exchange with the splits swapped. In an overlapped F&B unit
+(``parallel.overlap_f_and_b``) each exchange of rows is a turn: the other half computes while the rows travel.
+Every member of the group issues the same collectives in the same order (the pipeline schedule, the Domino order
+and the turns are the same on every data-parallel rank), on device tensors, as NCCL requires. Without EP
+(``group`` None) nothing moves.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from ..parallel import comm
+from ..parallel import comm, turns
 
 
-def _exchange(x: torch.Tensor, send: list[int], receive: list[int], group) -> torch.Tensor:
-    out = x.new_empty((sum(receive),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), receive, send, group=group)
+def _exchange(x: torch.Tensor, send: list[int], receive: list[int], group, hand_over) -> torch.Tensor:
+    """The rows exchanged; ``hand_over`` runs while they travel (in an overlapped F&B unit, the other half's
+    compute: ``parallel.turns``; elsewhere nothing)."""
+    out, rows = x.new_empty((sum(receive),) + tuple(x.shape[1:])), x.contiguous()  # rows outlive the transfer
+    work = dist.all_to_all_single(out, rows, receive, send, group=group, async_op=True)
+    hand_over()
+    work.wait()
     return out
 
 
@@ -34,11 +40,11 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, send, receive, group):
         ctx.send, ctx.receive, ctx.group = send, receive, group
-        return _exchange(x, send, receive, group)
+        return _exchange(x, send, receive, group, turns.before_forward_wait)
 
     @staticmethod
     def backward(ctx, grad):
-        return _exchange(grad, ctx.receive, ctx.send, ctx.group), None, None, None
+        return _exchange(grad, ctx.receive, ctx.send, ctx.group, turns.before_backward_wait), None, None, None
 
 
 class ExpertExchange:

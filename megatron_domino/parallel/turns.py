@@ -1,11 +1,12 @@
 """Two computations taking turns at their communication waits: DualPipeV's F&B unit, overlapped.
 
 An F&B unit runs one micro-batch's forward (F) and another's backward (B). Run in sequence, each one's exposed
-communication (the Domino all-reduce that no other μ-chunk hides) leaves the device idle. ``Turns.run`` runs F on
-a helper thread and B on the caller, one at a time, handing over where either is about to wait for its own
-communication: F before each Domino wait (``before_forward_wait``, called by the Domino executor), B before each
-input-gradient wait of a column-parallel linear (``before_backward_wait``). So F's all-reduce flies while B
-computes, and B's while F computes, on one compute stream; NCCL's streams carry the transfers.
+communication (the Domino all-reduce that no other μ-chunk hides, the experts' all-to-all) leaves the device idle.
+``Turns.run`` runs F on a helper thread and B on the caller, one at a time, handing over where either is about to
+wait for its own communication: F before each Domino wait (``before_forward_wait``, called by the Domino
+executor), B before each input-gradient wait of a column-parallel linear (``before_backward_wait``), and either
+inside each exchange of the experts' rows (``models.expert_dispatch``). So F's transfer flies while B computes,
+and B's while F computes, on one compute stream; NCCL's streams carry the transfers.
 
 Why a thread and not a generator: F runs through whatever wraps a chunk's forward (ZeRO-3's saved-tensor hooks,
 recompute, FP8), and torch keeps grad mode, saved-tensor hooks and the current CUDA stream per thread. On its own
