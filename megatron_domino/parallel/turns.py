@@ -95,7 +95,8 @@ class Turns:
         with self._changed:
             self._backward_done, self._turn = True, FORWARD
             self._changed.notify_all()
-        self._forward_thread.join()
+        if self._forward_thread.ident is not None:  # started
+            self._forward_thread.join()
 
     def _hand_to(self, side: str) -> None:
         """Give the turn to ``side`` and wait until it comes back."""
