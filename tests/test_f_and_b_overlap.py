@@ -31,7 +31,6 @@ from tests.training_runs import REPO, environment
 pytestmark = pytest.mark.slow  # multi-rank training runs: the whole suite, not -m quick
 
 
-
 def _layout(model, micro, tp=2, **parallel):
     return layout_config(model, micro, GLOBAL_BATCH, OPT, tp=tp, pp=2, virtual_pp=2, domino=True,
                          pipeline_schedule="dualpipev", overlap_f_and_b=True, **parallel)
@@ -62,13 +61,19 @@ def _record_collectives(calls: list) -> dict:
     return originals
 
 
-def _train_and_reference(world_size, cfg, check_engine):
-    """6 SGD steps of ``cfg`` and its one-process reference: (losses, weights, reference losses and weights)."""
+def _train_layout(world_size, cfg, check_engine):
+    """6 SGD steps of ``cfg``: (losses, weights)."""
     if cfg.model.num_experts:
         micro = _microbatches(cfg.model, cfg.train.micro_batch_size)
-        losses, weights = train_steps(world_size, cfg, OPT, micro, LR, check_engine)
-        return losses, weights, *moe_reference(cfg.model, cfg.train.micro_batch_size, _batches(cfg.model), [])
-    return *_train(world_size, cfg, check_engine), *_reference(cfg.model)
+        return train_steps(world_size, cfg, OPT, micro, LR, check_engine)
+    return _train(world_size, cfg, check_engine)
+
+
+def _one_process(cfg):
+    """The same 6 steps on one process (an MoE routes per micro-batch, as the engine does): (losses, weights)."""
+    if cfg.model.num_experts:
+        return moe_reference(cfg.model, cfg.train.micro_batch_size, _batches(cfg.model), [])
+    return _reference(cfg.model)
 
 
 def _check(rank, world_size):
@@ -82,18 +87,19 @@ def _check(rank, world_size):
             handovers.append(engine.executor)
         originals = _record_collectives(calls)
         try:
-            losses, weights, ref_losses, ref_weights = _train_and_reference(world_size, cfg, count_handovers)
+            losses, weights = _train_layout(world_size, cfg, count_handovers)
         finally:
             for name, original in originals.items():
                 setattr(dist, name, original)
         in_turns = handovers[0].handovers
         sequential = replace(cfg, parallel=replace(cfg.parallel, overlap_f_and_b=False))
-        seq_losses, seq_weights, _, _ = _train_and_reference(world_size, sequential,
-                                                             lambda e: handovers.append(e.executor))
+        seq_losses, seq_weights = _train_layout(world_size, sequential, lambda e: handovers.append(e.executor))
         assert handovers[1].overlap_units is None and handovers[1].handovers == 0
         assert losses == seq_losses, (losses, seq_losses)  # bit for bit
         assert all(torch.equal(weights[name], seq_weights[name]) for name in weights)
-        compared = assert_same_run(("tp", 2, "pp", 2), losses, weights, ref_losses, ref_weights)
+        ref_losses, ref_weights = _one_process(cfg)
+        where = {key: getattr(cfg.parallel, key) for key in ("tp", "pp", "dp", "ep")}
+        compared = assert_same_run(where, losses, weights, ref_losses, ref_weights)
         results.append((compared, list(ref_weights), in_turns, calls))
     return results
 
