@@ -34,12 +34,12 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def _train(world_size, model, parallel: dict, graphs: list):
+def _train(world_size, model, parallel: dict, graphs: list, global_batch: int = GLOBAL_BATCH):
     """6 SGD steps at tp 2 with Domino (and ``parallel``); ``graphs`` gets the count of compiled graphs after steps 2
     and 6."""
     rng = np.random.default_rng(5)
     batches = [[collate([make_sample(row, 0) for row in rng.integers(1, model.vocab_size, (MICRO_BATCH, 33))])
-                for _ in range(GLOBAL_BATCH // MICRO_BATCH)] for _ in range(STEPS)]
+                for _ in range(global_batch // MICRO_BATCH)] for _ in range(STEPS)]
 
     def steps(ps):
         for step, micro in enumerate(batches):
@@ -53,7 +53,7 @@ def _train(world_size, model, parallel: dict, graphs: list):
         assert isinstance(block.mlp.activate, Region) is model.compile
         assert engine.chunks[0].forward.func.__name__ == "domino_forward"
 
-    cfg = layout_config(model, MICRO_BATCH, GLOBAL_BATCH, SGD, tp=2, domino=True, strict_transport=True, **parallel)
+    cfg = layout_config(model, MICRO_BATCH, global_batch, SGD, tp=2, domino=True, strict_transport=True, **parallel)
     return train_steps(world_size, cfg, SGD, steps, LR, check_engine=check_engine)
 
 
@@ -80,6 +80,26 @@ def test_compiled_training_equals_eager_at_tp2_with_domino_and_compiles_once(tmp
             assert after_2 > before and after_6 == after_2, (layout, "graphs before, after steps 2 and 6:",
                                                              before, after_2, after_6)
     assert any(cache.iterdir()), "nothing was written to model.compile_cache_dir"
+
+
+def _compiled_dualpipev_against_eager(rank, world_size, cache_dir):
+    """tp 2 x pp 2 under DualPipeV, its F&B units in turns: the compiled regions run on the forward's helper thread
+    and under the split backward's I, which keeps the graph for W (AOTAutograd's donated buffers must be off)."""
+    model, graphs = replace(LLAMA, num_layers=4), []
+    parallel = {"pp": 2, "virtual_pp": 2, "pipeline_schedule": "dualpipev", "overlap_f_and_b": True}
+    eager_losses, eager_weights = _train(world_size, model, parallel, [], global_batch=4 * MICRO_BATCH)
+    graphs.append(_graphs())
+    compiled = replace(model, compile=True, compile_cache_dir=cache_dir)
+    losses, weights = _train(world_size, compiled, parallel, graphs, global_batch=4 * MICRO_BATCH)
+    assert_same_run(("dualpipev", rank), losses, weights, eager_losses, eager_weights, tol=1e-6)
+    return graphs
+
+
+@pytest.mark.slow
+def test_compiled_dualpipev_with_f_and_b_turns_equals_eager_and_compiles_once(tmp_path):
+    for before, after_2, after_6 in run_ranks(_compiled_dualpipev_against_eager, 4, str(tmp_path / "inductor"),
+                                              timeout=300):
+        assert after_2 > before and after_6 == after_2, (before, after_2, after_6)
 
 
 @pytest.mark.quick

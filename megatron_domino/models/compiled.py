@@ -88,6 +88,10 @@ def apply_compile(model, model_cfg) -> None:
     if not model_cfg.compile:
         return
     use_cache_dir(model_cfg.compile_cache_dir)
+    # A split backward's I keeps the graph for its W (pipeline/split_backward.py), which AOTAutograd refuses for a
+    # backward that donates its saved buffers (and a donated buffer would be gone for W); the regions are small,
+    # so they keep theirs
+    torch._functorch.config.donated_buffer = False
     for block in model.blocks():
         where = f"layer {block.layer_number}"
         for norm_name in ("input_norm", "post_attention_norm"):
