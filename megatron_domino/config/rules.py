@@ -101,6 +101,12 @@ def _check_timeouts(c: Checks, p) -> None:
                f"set parallel.collective_timeout_s >= {2 * p.timeout_s:g}, or null (2 * parallel.timeout_s)")
 
 
+def f_and_b_turns(p) -> bool:
+    """Whether DualPipeV's F&B units, with ``parallel.overlap_f_and_b``, have waits to take turns at (``p``:
+    ``cfg.parallel``): Domino's at tp > 1, or the experts' exchanges at ep > 1."""
+    return p.overlap_f_and_b and ((p.domino and p.tp > 1) or p.ep > 1)
+
+
 def check_parallel(c: Checks, cfg: Config) -> None:
     """What the layout asks of the model: sequence parallelism splits the sequence; the ring's limits; the
     watchdog's timeouts; the backend. (What TP splits, the layers that split it check: ``models.attention``
@@ -110,7 +116,7 @@ def check_parallel(c: Checks, cfg: Config) -> None:
     c.one_of("parallel.backend", p.backend, BACKENDS)
     if p.sequence_parallel and p.tp == 1:
         c.warnings.append("parallel.sequence_parallel=true has no effect with parallel.tp=1")
-    if p.overlap_f_and_b and not (p.pipeline_schedule == "dualpipev" and ((p.domino and p.tp > 1) or p.ep > 1)):
+    if p.overlap_f_and_b and not (p.pipeline_schedule == "dualpipev" and f_and_b_turns(p)):
         c.warnings.append("parallel.overlap_f_and_b=true has no effect: only dualpipev has F&B units, and their "
                           "halves take turns at Domino's waits (parallel.domino=true, parallel.tp > 1) and at the "
                           "experts' exchanges (parallel.ep > 1)")

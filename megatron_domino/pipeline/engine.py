@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..config.rules import f_and_b_turns
 from ..fp8.weight_scales import fixed_for_the_step
 from ..parallel.device import to_device
 from .device_batches import DeviceBatches
@@ -50,12 +51,10 @@ class PipelineEngine:
         # The strict transport emulates NCCL's p2p rules on gloo (its announcements rely on gloo's tags and
         # buffering); on NCCL the rules hold by themselves, so the plain transport serves there.
         transport = StrictP2P if state.strict and dist.get_backend() == "gloo" else P2P
-        # F&B units overlap where their halves have waits to take turns at: Domino's at tp > 1, the experts' exchange
-        overlap = par.overlap_f_and_b and ((par.domino and state.tp_size > 1) or state.ep_size > 1)
         self.executor = PipelineExecutor(chunks, self.stage,
                                          transport(device, state.timeout_s, par.variable_seq_lengths),
                                          loss_fn=self._loss, on_backward=on_backward,
-                                         overlap_units=device if overlap else None)
+                                         overlap_units=device if f_and_b_turns(par) else None)
         self.device = device
 
     def _loss(self, per_token: torch.Tensor, batch: dict):
