@@ -65,6 +65,26 @@ def add_throttled_job_args(parser, name: str) -> None:
     parser.add_argument("--rate", default="none", help=argparse.SUPPRESS)
 
 
+def add_rotating_rounds_args(parser, *, rates: str, rounds: int, warmup: int) -> None:
+    """--rates, --rounds and --warmup of a harness that runs its modes once per round (``rotating_rounds``)."""
+    parser.add_argument("--rates", default=rates, help="comma-separated link rates; none: raw loopback")
+    parser.add_argument("--rounds", type=int, default=rounds, help="timed rounds (every mode once each)")
+    parser.add_argument("--warmup", type=int, default=warmup, help="untimed rounds first")
+
+
+def rotating_rounds(modes, rounds: int, warmup: int, run) -> dict:
+    """{mode: [run(mode) of each timed round]}: every mode once per round, in an order that rotates from round to
+    round so that drift hits the modes alike."""
+    timings = {mode: [] for mode in modes}
+    for round_index in range(warmup + rounds):
+        turn = round_index % len(modes)
+        for mode in modes[turn:] + modes[:turn]:
+            result = run(mode)
+            if round_index >= warmup:
+                timings[mode].append(result)
+    return timings
+
+
 def load_benchmark_config(overrides: list[str]):
     from megatron_domino.config import load_config
     return load_config(BASE_CONFIG, overrides)

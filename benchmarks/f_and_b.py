@@ -32,9 +32,9 @@ import os
 import statistics
 import time
 
-from common import (MODEL_FLAGS, add_model_args, add_throttled_job_args, build_trainer, format_table, forward_flags,
-                    launch, load_benchmark_config, model_overrides, read_json, run_harness, tp_communication_skipped,
-                    write_json)
+from common import (MODEL_FLAGS, add_model_args, add_rotating_rounds_args, add_throttled_job_args, build_trainer,
+                    format_table, forward_flags, launch, load_benchmark_config, model_overrides, read_json,
+                    rotating_rounds, run_harness, tp_communication_skipped, write_json)
 
 MODES = {"tp2": ("turns", "sequence", "nocomm"), "ep2": ("turns", "sequence")}
 LAYOUTS = {"tp2": ["parallel.tp=2", "parallel.domino=true", "parallel.domino_chunks=2"],
@@ -46,9 +46,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser, hidden=512, heads=8, layers=4, seq=256, micro_batch=2)
     parser.add_argument("--layouts", default="tp2,ep2", help=f"comma-separated, of {', '.join(LAYOUTS)}")
-    parser.add_argument("--rates", default="1gbit,2gbit,none", help="comma-separated link rates; none: raw loopback")
-    parser.add_argument("--rounds", type=int, default=9, help="timed rounds (every mode once each)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    add_rotating_rounds_args(parser, rates="1gbit,2gbit,none", rounds=9, warmup=2)
     add_throttled_job_args(parser, "f_and_b")
     args = parser.parse_args(argv)
     for name in args.layouts.split(","):
@@ -138,13 +136,7 @@ def worker(args) -> None:
     trainer = build_trainer(load_benchmark_config(overrides))
     rank = dist.get_rank() * dp // 2  # ep 2: each rank routes its own tokens
     batch_a, batch_b = _batch(args, 1 + 2 * rank), _batch(args, 2 + 2 * rank)
-    timings = {mode: [] for mode in modes}
-    for round_index in range(args.warmup + args.rounds):
-        turn = round_index % len(modes)
-        for mode in modes[turn:] + modes[:turn]:
-            result = _unit(trainer, mode, batch_a, batch_b)
-            if round_index >= args.warmup:
-                timings[mode].append(result)
+    timings = rotating_rounds(modes, args.rounds, args.warmup, lambda mode: _unit(trainer, mode, batch_a, batch_b))
     trainer.close()
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, timings)

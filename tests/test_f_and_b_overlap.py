@@ -41,13 +41,14 @@ LAYOUTS = [_layout(LLAMA, 2, sequence_parallel=True), _layout(replace(GPT, recom
            _layout(MOE, 2),
            # no TP: the turns fall at the experts' exchanges alone (dispatch and combine, forward and backward)
            _layout(MOE, 1, tp=1, dp=2, ep=2)]
-_RECORDED = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single", "broadcast")
+_RECORDED = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single", "broadcast",
+             "all_gather_single", "reduce_scatter_single")  # the flat collectives' names from torch 2.13
 
 
 def _record_collectives(calls: list) -> dict:
     """Wrap torch.distributed's collectives so that each call appends (group's ranks, name, shape); returns the
     originals to put back."""
-    originals = {name: getattr(dist, name) for name in _RECORDED}
+    originals = {name: getattr(dist, name) for name in _RECORDED if hasattr(dist, name)}
 
     def recording(name, original):
         def call(tensor, *args, group=None, **kwargs):

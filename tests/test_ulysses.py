@@ -3,8 +3,10 @@
 cp 2 x dp 2 with ZeRO-2 (documents), MoE at cp 2 x dp 2, tp 2 x cp 2 with Domino and SP, cp 2 x pp 2 interleaved
 with full recompute, MLA at cp 2 x dp 2 with documents, and tp 2 x cp 2 x pp 2 with Domino (8 ranks). So does
 ``a2a+ring`` (all-to-all groups of 2, a ring of 2 across them): GPT, Llama with documents, few K/V groups, MoE, MLA,
-and tp 2 x cp 4 with Domino and SP (8 ranks). The all-to-all's exchange is checked element by element, and the
-head slices' pipeline (exact, and in the order that overlaps); bad layouts are refused."""
+and tp 2 x cp 4 with Domino and SP (8 ranks). The queries-first projection under zb-h1 (with selective recompute;
+with Domino and SP at tp 2 x cp 2 x pp 2), ZeRO-3 and compile. The all-to-all's exchange is checked element by
+element, the head slices' pipeline and the queries going first (exact, and in the order that overlaps); bad
+layouts are refused."""
 from dataclasses import replace
 
 import pytest
@@ -66,7 +68,18 @@ def test_a2a_at_cp4_cp2_dp2_moe_and_with_tp_domino_train_like_one_process():
 @pytest.mark.slow
 def test_a2a_and_a2a_ring_compose_with_tp_domino_and_pipeline_on_8_ranks():
     _check_all(8, [a2a(_layout(LLAMA_16, cp=2, tp=2, pp=2, domino=True, documents=True)),
+                   a2a(_layout(LLAMA_16, cp=2, tp=2, pp=2, domino=True, sequence_parallel=True),
+                       pipeline_schedule="zb-h1"),
                    hybrid(_layout(LLAMA_16, cp=4, tp=2, domino=True, sequence_parallel=True, documents=True))])
+
+
+@pytest.mark.slow
+def test_a2a_composes_with_zero_bubble_selective_recompute_zero3_and_compile():
+    """The queries-first projection (one autograd step for two parts) under a zero-bubble split backward with
+    selective recompute (whose core finds the queries arrived), under ZeRO-3 with compiled regions (the
+    queries' and the keys' QK-norm + RoPE apart), and with Domino at tp 2 under zb-h1 (8 ranks, below)."""
+    _check_all(4, [a2a(_layout(replace(LLAMA_16, recompute="selective"), cp=2, pp=2), pipeline_schedule="zb-h1"),
+                   a2a(_layout(replace(LLAMA_16, compile=True), cp=2, dp=2, zero_stage=3, documents=True))])
 
 
 def hybrid(layout, size=2, **parallel):
@@ -171,6 +184,61 @@ def test_head_slices_pipeline_the_all_to_alls_behind_attention_and_stay_exact():
     assert all(run_ranks(_pipelined, 2, timeout=120))
 
 
+def _queries_first(rank, world_size):
+    """A GPT attention at cp 2 (2 head slices): slice 0's queries leave before K and V are projected, slice 1's
+    with its K and V during slice 0's attention, and slice 1's query gradient leaves before slice 0's attention
+    backward; the output and every gradient equal the same attention projected whole (queries_first off), to
+    1e-12."""
+    import torch.distributed as dist
+    from megatron_domino.models.attention import Attention
+    from megatron_domino.tensor_parallel import output_parts
+    from megatron_domino.tensor_parallel.context import LayerContext
+    group = dist.new_group(list(range(world_size)))
+    ctx = LayerContext(cp_group=group, cp_comm="a2a", cp_a2a_slices=2, dtype=torch.float64)
+    attention = Attention(GPT, ctx)
+    torch.manual_seed(0)
+    for param in attention.parameters():
+        param.data.normal_(0, 0.2)
+    whole = torch.randn(2, GPT.seq_length, GPT.hidden_size, dtype=torch.float64)
+    x = whole.index_select(1, local_positions(GPT.seq_length, world_size, rank))
+    assert attention.queries_first
+    results, logs = {}, {}
+    for first in (True, False):
+        attention.queries_first, log = first, _Log()
+        real_start, real_rest, real_whole = ulysses_module._start, output_parts._RestPart.forward, attention._whole
+        calls = iter(range(2))
+
+        def rest(ctx, placeholder, parts):
+            log.events.append(("K and V projected",))
+            return real_rest(ctx, placeholder, parts)
+        ulysses_module._start, output_parts._RestPart.forward = log.start(real_start), staticmethod(rest)
+        attention._whole = lambda *args: _Mark.apply(real_whole(*args), log, next(calls))  # noqa: E731
+        try:
+            attention.zero_grad()
+            mine = x.clone().requires_grad_()
+            out = attention.hidden(mine)
+            out.backward(torch.cos(out.detach()))
+        finally:
+            ulysses_module._start, output_parts._RestPart.forward = real_start, staticmethod(real_rest)
+            del attention._whole
+        results[first] = [out.detach(), mine.grad] + [p.grad for p in attention.parameters() if p.grad is not None]
+        logs[first] = log
+    for got, expected in zip(results[True], results[False]):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    log = logs[True]  # forward: 0 slice 0's queries; 1, 2 its K and V; 3-5 slice 1's Q, K, V; 6, 7 the outputs
+    assert log.index(("start", 0)) < log.index(("K and V projected",)) < log.index(("start", 1))
+    assert log.index(("start", 5)) < log.index(("attention", 0)) < log.index(("wait", 3))
+    backward = log.events[log.index(("attention backward", 1)):log.index(("attention backward", 0))]
+    assert len([e for e in backward if e[0] == "start"]) == 3, backward  # slice 1's dQ, dK, dV left
+    assert ("K and V projected",) not in logs[False].events and log.started == logs[False].started == 16
+    return True
+
+
+@pytest.mark.slow
+def test_queries_leave_before_k_and_v_are_projected_and_the_result_is_unchanged():
+    assert all(run_ranks(_queries_first, 2, timeout=120))
+
+
 @pytest.mark.quick
 def test_a2a_ring_lays_a_ring_members_chunks_over_its_group():
     """cp 4 as groups of 2 and a ring of 2, 16 tokens: ring member 0 is chunks [0, 4) and [12, 16), member 1
@@ -199,3 +267,24 @@ def test_bad_a2a_layouts_are_refused_before_init():
     assert "parallel.cp_a2a_slices = 0" in refused(LLAMA_16, cp=2, cp_a2a_slices=0)
     assert "model.seq_length = 16" in refused(replace(LLAMA_16, num_attention_heads=12, num_query_groups=12,
                                                       kv_channels=4), cp=3)
+
+
+@pytest.mark.slow
+def test_the_queries_first_benchmark_times_every_mode(tmp_path):
+    """benchmarks/ulysses_queries.py on the raw loopback at a tiny size: a row per mode, and the no-comm bound's
+    time in the exchanges' waits below the fused projection's (the waits it measures are the all-to-alls')."""
+    import json
+    import re
+    import subprocess
+    import sys
+    from tests.training_runs import REPO, environment
+    path = tmp_path / "ulysses_queries.json"
+    result = subprocess.run([sys.executable, "benchmarks/ulysses_queries.py", "--rates", "none", "--hidden", "64",
+                             "--heads", "4", "--seq", "64", "--rounds", "3", "--warmup", "1", "--json", str(path)],
+                            cwd=REPO, env=environment(), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert re.search(r"^link none: attention at cp 2", result.stdout, re.M), result.stdout
+    for mode in ("queries first", "fused", "nocomm"):
+        assert re.search(rf"^{mode}\s+\d+\.\d\s+\d\.\d\d\s+-?\d+\.\d", result.stdout, re.M), result.stdout
+    data = json.loads(path.with_name("ulysses_queries-none.json").read_text())
+    assert data["waits_s"]["nocomm"] < data["waits_s"]["fused"]

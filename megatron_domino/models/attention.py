@@ -24,10 +24,11 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..tensor_parallel import ColumnParallelLinear, LayerContext, ParamInfo, RowParallelLinear, declare
+from ..tensor_parallel.output_parts import column_linear_in_parts
 from .document_attention import document_attention
 from .norms import Norm
 from .ring_attention import Ring, ring_attention
-from .ulysses import Ulysses, ulysses_attention
+from .ulysses import QueriesInFlight, Ulysses, ulysses_attention
 from .recompute import run
 from .rope import apply_rotary
 from .tokens import NO_CONTEXT, TokenContext
@@ -119,8 +120,19 @@ class AttentionPhase(nn.Module):
             return document_attention(q, k, v, doc_offsets, dropout_p=dropout, enable_gqa=grouped)
 
 
+def _rotated(x: torch.Tensor, norm: Norm | None, rotary) -> torch.Tensor:
+    """Qwen3's QK-norm, then RoPE, of one of q or k."""
+    if norm is not None:
+        x = norm(x)
+    return x if rotary is None else apply_rotary(x, *rotary)
+
+
 class Attention(AttentionPhase):
-    """Grouped-query attention (MHA and MQA included) from one fused, group-major QKV projection."""
+    """Grouped-query attention (MHA and MQA included) from one fused, group-major QKV projection.
+
+    Under Ulysses (FP8 aside) the projection's query part comes first and its all-to-alls fly while K and V are
+    projected (``queries_first``, ``tensor_parallel.output_parts``); FP8 keeps the projection whole, one
+    quantised product with its scales."""
 
     def __init__(self, cfg, ctx: LayerContext):
         heads, groups, head_dim = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
@@ -130,9 +142,12 @@ class Attention(AttentionPhase):
                                         bias=cfg.has_qkv_bias, init_std=cfg.init_std)
         self.q_norm = _head_norm(cfg, ctx) if cfg.qk_norm else None
         self.k_norm = _head_norm(cfg, ctx) if cfg.qk_norm else None
+        self.queries_first = self.ulysses is not None and ctx.fp8 is None
 
     def hidden(self, x: torch.Tensor, context: TokenContext = NO_CONTEXT) -> torch.Tensor:
         """Everything up to the output projection: [b, s, h] -> this rank's heads [b, s, local heads * d]."""
+        if self.queries_first and context.cache is None:
+            return self._hidden_queries_first(x, context)
         qkv = self.qkv(x)
         b, s = qkv.shape[:2]
         qkv = qkv.view(b, s, self.local_groups, self.queries_per_group + 2, self.head_dim)
@@ -140,17 +155,38 @@ class Attention(AttentionPhase):
         k = qkv[:, :, :, self.queries_per_group].transpose(1, 2)
         v = qkv[:, :, :, self.queries_per_group + 1].transpose(1, 2)
         q, k = self.rotate_heads(q, k, context.rotary)
-        if self.queries_per_group > 1 and self.backend == "efficient":
-            k = k.repeat_interleave(self.queries_per_group, dim=1)
-            v = v.repeat_interleave(self.queries_per_group, dim=1)
-        out = self.attend(q, k, v, context)
+        out = self.attend(q, *self._for_kernel(k, v), context)
         return out.transpose(1, 2).reshape(b, s, -1)
+
+    def _hidden_queries_first(self, x: torch.Tensor, context: TokenContext) -> torch.Tensor:
+        """``hidden`` under Ulysses: the queries' all-to-alls start, then K and V are projected."""
+        first, rest = column_linear_in_parts(x, self.qkv.weight, self.qkv.bias, self.ctx, self.local_groups,
+                                             self.queries_per_group * self.head_dim)
+        b, s = first.shape[:2]
+        q = self.rotate_queries(first.view(b, s, -1, self.head_dim).transpose(1, 2), context.rotary)
+        queries = QueriesInFlight(q, self.local_groups, self.ulysses)
+        kv = rest().view(b, s, self.local_groups, 2, self.head_dim)
+        k = self.rotate_keys(kv[:, :, :, 0].transpose(1, 2), context.rotary)
+        if self.run_core is not run:  # the core is recomputed in backward: it must find the queries arrived
+            queries.arrive()
+        out = self.attend(queries, *self._for_kernel(k, kv[:, :, :, 1].transpose(1, 2)), context)
+        return out.transpose(1, 2).reshape(b, s, -1)
+
+    def _for_kernel(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as the kernel takes them: expanded to one per query head for ``efficient``, which takes no GQA."""
+        if self.queries_per_group > 1 and self.backend == "efficient":
+            return tuple(x.repeat_interleave(self.queries_per_group, dim=1) for x in (k, v))
+        return k, v
 
     def rotate_heads(self, q: torch.Tensor, k: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """Qwen3's QK-norm, then RoPE: the elementwise work between the QKV projection and the core, one method
         so that ``models.compiled`` can fuse it."""
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        return q, k
+        return _rotated(q, self.q_norm, rotary), _rotated(k, self.k_norm, rotary)
+
+    def rotate_queries(self, q: torch.Tensor, rotary) -> torch.Tensor:
+        """``rotate_heads``'s queries alone (``queries_first``: they leave before K exists)."""
+        return _rotated(q, self.q_norm, rotary)
+
+    def rotate_keys(self, k: torch.Tensor, rotary) -> torch.Tensor:
+        """``rotate_heads``'s keys alone."""
+        return _rotated(k, self.k_norm, rotary)

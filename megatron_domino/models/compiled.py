@@ -2,8 +2,9 @@
 to a model chunk from outside (``apply_compile``), as ``apply_recompute`` and ``apply_domino`` are.
 
 Compiled, in every ``TransformerBlock`` (the MTP modules' included) and the last stage's final norm: the two
-pre-norms, the MLP activation (SwiGLU / GeLU), attention's QK-norm + RoPE (``Attention.rotate_heads``) and the
-residual (bias + residual add). Each region is an instance's bound method replaced by ``torch.compile(method,
+pre-norms, the MLP activation (SwiGLU / GeLU), attention's QK-norm + RoPE (``Attention.rotate_heads``; under
+Ulysses ``rotate_queries`` and ``rotate_keys``, since the queries leave before K is made) and the residual
+(bias + residual add). Each region is an instance's bound method replaced by ``torch.compile(method,
 dynamic=False, fullgraph=True)``: one graph per input shape (and grad mode), shared by every instance of the
 class, since Dynamo guards on the module's type and settings, not its identity; and no graph breaks, so a
 region compiles whole or fails with an error that names it (``Region``).
@@ -99,7 +100,8 @@ def apply_compile(model, model_cfg) -> None:
             compile_method(norm, "forward", f"{where}'s {norm_name} ({norm.kind})")
         attention, rope = block.attention, model_cfg.position_embedding == "rope"
         if isinstance(attention, Attention) and (attention.q_norm is not None or rope):  # else: nothing to do
-            compile_method(attention, "rotate_heads", f"{where}'s QK-norm and RoPE (Attention.rotate_heads)")
+            for method in ("rotate_queries", "rotate_keys") if attention.queries_first else ("rotate_heads",):
+                compile_method(attention, method, f"{where}'s QK-norm and RoPE (Attention.{method})")
         if isinstance(block.mlp, MLP):
             compile_method(block.mlp, "activate", f"{where}'s MLP activation ({block.mlp.activation})")
         if block.hidden_dropout == 0:

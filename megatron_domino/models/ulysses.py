@@ -15,12 +15,13 @@ chunks of each member's head slice (``attention.context_parallel_attention`` com
 Grouped-query K/V with fewer groups than cp ranks are repeated until there are cp of them (a rank's query
 heads then all read their one group); the config requires the groups to divide cp or cp to divide them.
 Overlap (``parallel.cp_a2a_slices``, ``ulysses_attention``): the heads are cut into slices run as a pipeline,
-so one slice's all-to-alls fly while another's attention runs, forward and backward. The fused QKV projection
-makes Q, K and V together (its output interleaves them group by group), so Q's exchange cannot start before K's
-and V's projection ends; the slices hide the exchanges behind attention instead, which at long sequences is the
-larger compute. Every rank issues the same all-to-alls (Q, K, V and the output per slice) in the same order:
-NCCL's rules. A recomputed forward (``model.recompute``) repeats them: recompute saves no activation of
-attention, so the exchange is paid twice (4 all-to-alls of this layer's Q, K, V and output per recomputed pass).
+so one slice's all-to-alls fly while another's attention runs, forward and backward. Before that, the queries
+go first (``QueriesInFlight``): ``models.attention`` projects them, starts slice 0's all-to-all and projects K
+and V while it flies (``tensor_parallel.output_parts``: one linear's backward for both parts). Every rank issues
+the same all-to-alls (slice 0's Q; its K and V; then Q, K and V per further slice; the outputs) in the same
+order: NCCL's rules. A
+recomputed forward (``model.recompute``) repeats them: full recompute all four per slice (it saves no activation
+of attention); selective recompute, whose region starts after the queries arrived, K, V and the output.
 """
 from __future__ import annotations
 
@@ -154,32 +155,76 @@ def to_sequence(y: torch.Tensor, ulysses: Ulysses) -> torch.Tensor:
 
 def head_slices(heads: int, groups: int, ulysses: Ulysses) -> int:
     """How many head slices to pipeline: the most, up to ``ulysses.slices``, that cut the query heads and the K/V
-    groups alike into whole shares of every group member (one slice when the groups had to be repeated)."""
+    groups alike into whole shares of every group member (one slice when the groups had to be repeated:
+    ``groups`` counts them as they are before that)."""
+    groups = groups if groups % ulysses.size == 0 else ulysses.size
     return max(n for n in range(1, ulysses.slices + 1) if heads % (n * ulysses.size) == 0
                and groups % (n * ulysses.size) == 0)
 
 
-def ulysses_attention(q, k, v, ulysses: Ulysses, core):
-    """``core(q, k, v)`` (attention over whole sequences) on this rank's head slice; q [b, heads, s / cp, d],
-    k and v [b, groups, s / cp, d]; returns [b, heads, s / cp, d].
+class QueriesInFlight:
+    """The all-to-alls of q [b, heads, s / cp, d] (whose heads read ``groups`` K/V groups), one per head slice;
+    ``ulysses_attention`` takes it as its ``q``. Slice 0's starts at once, before K and V exist; the others
+    beside their slice's K and V, so that slice 0's attention waits for no more than it would with the queries
+    made last (the wire carries one exchange after another)."""
 
-    The heads are cut into slices (``head_slices``) run as a pipeline: slice i + 1's Q, K and V all-to-alls are in
-    flight while slice i's attention runs, and slice i's output returns during slice i + 1's; backward, the
-    gradients' exchanges overlap the other slice's attention backward the same way. One slice: nothing to overlap
-    with but the exchanges themselves (Q, K and V in flight together)."""
+    def __init__(self, q: torch.Tensor, groups: int, ulysses: Ulysses):
+        self.ulysses, self.to_sequence_order = ulysses, _orders(ulysses, q.shape[2], q.device)[0]
+        self.slices = head_slices(q.shape[1], groups, ulysses)
+        self.parts = list(q.chunk(self.slices, dim=1))
+        self.launched: list[tuple | None] = [None] * self.slices
+        self.joined: list[torch.Tensor | None] = [None] * self.slices
+        self.launch(0)
+
+    def launch(self, i: int) -> None:
+        """Start slice i's all-to-all, unless it has started."""
+        if self.parts[i] is not None:
+            self.launched[i], self.parts[i] = _launch_to_heads(self.parts[i], self.ulysses), None
+
+    def slice(self, i: int) -> torch.Tensor:
+        """Slice i's queries over the group's tokens in sequence order, waited for at the first call. Joined
+        where its attention runs, its autograd steps get that attention's backward priority: the slice's query
+        gradient leaves as soon as its attention backward ran, as K's and V's do."""
+        if self.joined[i] is None:
+            self.launch(i)
+            self.joined[i], self.launched[i] = _joined(*self.launched[i], self.to_sequence_order), None
+        return self.joined[i]
+
+    def arrive(self) -> QueriesInFlight:
+        """Every slice waited for now: for an attention core recomputed in backward (selective recompute), which
+        must find the same queries when it runs again."""
+        for i in range(self.slices):
+            self.slice(i)
+        return self
+
+
+def ulysses_attention(q, k, v, ulysses: Ulysses, core):
+    """``core(q, k, v)`` (attention over whole sequences) on this rank's head slice; q [b, heads, s / cp, d] (or
+    already on its way: ``QueriesInFlight``), k and v [b, groups, s / cp, d]; returns [b, heads, s / cp, d].
+
+    The heads are cut into slices (``head_slices``) run as a pipeline: slice i + 1's all-to-alls are in flight
+    while slice i's attention runs, and slice i's output returns during slice i + 1's; backward, the gradients'
+    exchanges overlap the other slice's attention backward the same way. One slice: nothing to overlap with but
+    the exchanges themselves (Q, K and V in flight together)."""
+    arrived = isinstance(q, QueriesInFlight)
+    n = q.slices if arrived else head_slices(q.shape[1], k.shape[1], ulysses)
     groups = k.shape[1]
     if groups % ulysses.size:  # fewer groups than ranks: a copy of each for every rank that reads it
         k = k.repeat_interleave(ulysses.size // groups, dim=1)
         v = v.repeat_interleave(ulysses.size // groups, dim=1)
-    n = head_slices(q.shape[1], k.shape[1], ulysses)
-    to_sequence_order, to_members_order = _orders(ulysses, q.shape[2], q.device)
-    parts = [x.chunk(n, dim=1) for x in (q, k, v)]
-    launched = [[_launch_to_heads(x[0], ulysses) for x in parts]]
-    returning = []
+    to_sequence_order, to_members_order = _orders(ulysses, k.shape[2], k.device)
+    parts = [x.chunk(n, dim=1) for x in ((k, v) if arrived else (q, k, v))]
+
+    def launch(i: int) -> list:
+        if arrived:
+            q.launch(i)  # this slice's queries, beside its K and V (slice 0's left before K and V were made)
+        return [_launch_to_heads(x[i], ulysses) for x in parts]
+    launched, returning = [launch(0)], []
     for i in range(n):
         if i + 1 < n:
-            launched.append([_launch_to_heads(x[i + 1], ulysses) for x in parts])
-        out = core(*(_joined(*exchange, to_sequence_order) for exchange in launched[i]))
+            launched.append(launch(i + 1))
+        joined = [_joined(*exchange, to_sequence_order) for exchange in launched[i]]
+        out = core(*([q.slice(i)] if arrived else []), *joined)
         returning.append(_launch_to_sequence(out, ulysses, to_members_order))
     outs = [_split(*exchange) for exchange in returning]
     return outs[0] if n == 1 else torch.cat(outs, dim=1)
