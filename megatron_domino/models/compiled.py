@@ -90,8 +90,9 @@ def apply_compile(model, model_cfg) -> None:
         return
     use_cache_dir(model_cfg.compile_cache_dir)
     # A split backward's I keeps the graph for its W (pipeline/split_backward.py), which AOTAutograd refuses for a
-    # backward that donates its saved buffers (and a donated buffer would be gone for W); the regions are small,
-    # so they keep theirs
+    # backward that donates its saved buffers (and a donated buffer would be gone for W). It compiles a backward at
+    # its first call, donating unless that call keeps the graph: a graph first run by a whole backward, then by an
+    # I (DualPipeV's two chunks per rank; a warm cache), fails. The regions are small, so they keep their buffers
     torch._functorch.config.donated_buffer = False
     for block in model.blocks():
         where = f"layer {block.layer_number}"
