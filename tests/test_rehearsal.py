@@ -99,6 +99,9 @@ LAYOUTS = [  # (tiny config, world size, overrides): the parity tests' layouts
     ("configs/tiny/llama.yaml", 4, ["parallel.cp=2", "data.reset_attention_mask=true", "data.reset_position_ids=true",
                                     "data.mock_document_tokens=16"]),
     ("configs/tiny/llama.yaml", 8, ["parallel.pp=4", "parallel.cp=2"]),  # middle stages build RoPE positions
+    # Ulysses with Domino and SP: the queries' exchange before K and V are projected, one backward for both parts
+    ("configs/tiny/llama.yaml", 4, ["parallel.tp=2", "parallel.cp=2", "parallel.cp_comm=a2a", "parallel.domino=true",
+                                    "parallel.sequence_parallel=true", "train.bf16=true"]),
     ("configs/tiny/llama.yaml", 8, ["parallel.tp=2", "parallel.cp=2", "parallel.pp=2",
                                     "parallel.sequence_parallel=true"]),
     ("configs/tiny/mixtral.yaml", 4, ["parallel.ep=2", "model.moe_grouped_gemm=true", "train.bf16=true"]),
