@@ -13,6 +13,7 @@ import io
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 
@@ -83,6 +84,40 @@ def rotating_rounds(modes, rounds: int, warmup: int, run) -> dict:
             if round_index >= warmup:
                 timings[mode].append(result)
     return timings
+
+
+def write_median_times(path: str, args, timings: dict) -> None:
+    """Gather each rank's ``rotating_rounds`` timings of (seconds, seconds blocked) and, on rank 0, write their
+    medians to ``path``: ``pass_s`` the slower rank's per round, ``waits_s`` over every rank and round."""
+    import torch.distributed as dist
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, timings)
+    if dist.get_rank() == 0:
+        rounds = range(args.rounds)
+        write_json(path, {"args": vars(args), "pass_s": {
+            mode: statistics.median(max(r[mode][k][0] for r in everyone) for k in rounds) for mode in timings},
+            "waits_s": {mode: statistics.median(r[mode][k][1] for r in everyone for k in rounds) for mode in timings}})
+
+
+def median_rows(data: dict, modes, baseline: str) -> list[list[str]]:
+    """Table rows of ``write_median_times``' data: per mode its pass in ms, its ratio to ``baseline``'s and its
+    time blocked in waits less the ``nocomm`` mode's."""
+    passes, waits = data["pass_s"], data["waits_s"]
+    return [[mode, f"{passes[mode] * 1e3:.1f}", f"{passes[mode] / passes[baseline]:.2f}",
+             f"{(waits[mode] - waits['nocomm']) * 1e3:.1f}"] for mode in modes]
+
+
+def drive_rates(args, script: str, nproc: int, flags: list[str], report) -> None:
+    """One job of ``script`` per link rate in ``args.rates`` (``none``: the raw loopback), each writing its JSON
+    next to ``args.json``; prints ``report(rate, data)`` of each."""
+    base, ext = os.path.splitext(args.json)
+    reports = []
+    for rate in args.rates.split(","):
+        path = f"{base}-{rate}{ext}"
+        launch(os.path.abspath(script), nproc, flags + ["--json", path], rate=None if rate == "none" else rate,
+               netem=args.netem)
+        reports.append(report(rate, read_json(path)))
+    print("\n\n".join(reports))
 
 
 def load_benchmark_config(overrides: list[str]):

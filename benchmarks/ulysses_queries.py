@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import statistics
 import time
 
-from common import (add_rotating_rounds_args, add_throttled_job_args, format_table, forward_flags, launch, read_json,
-                    rotating_rounds, run_harness, write_json)
+from common import (add_rotating_rounds_args, add_throttled_job_args, drive_rates, format_table, forward_flags,
+                    median_rows, rotating_rounds, run_harness, write_median_times)
 from context_parallel import ExchangeTally, cp_exchanges, library_a2a_slices
 
 MODES = ("queries first", "fused", "nocomm")
@@ -109,48 +107,39 @@ def _pass(attention, mode: str, x, grad) -> tuple[float, float]:
         return time.perf_counter() - start, blocked[0]
 
 
-def worker(args) -> None:
+def local_inputs(args, rank: int):
+    """(this CP rank's tokens of one random [batch, seq, hidden] input, a gradient for its output): the same
+    whole sequence on both ranks, each holding its zig-zag chunks."""
     import torch
-    import torch.distributed as dist
     from megatron_domino.models.ring_attention import local_positions
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")
-    attention, rank = _attention(args), dist.get_rank()
     generator = torch.Generator().manual_seed(1)
     whole = torch.randn(args.batch, args.seq, args.hidden, generator=generator)
     x = whole.index_select(1, local_positions(args.seq, 2, rank)).requires_grad_()
-    grad = torch.randn(args.batch, args.seq // 2, args.hidden, generator=generator)  # heads x head dim
+    return x, torch.randn(args.batch, args.seq // 2, args.hidden, generator=generator)  # heads x head dim
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    attention, rank = _attention(args), dist.get_rank()
+    x, grad = local_inputs(args, rank)
     timings = rotating_rounds(MODES, args.rounds, args.warmup, lambda mode: _pass(attention, mode, x, grad))
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, timings)
-    if rank == 0:
-        rounds = range(args.rounds)
-        write_json(args.json, {"args": vars(args), "pass_s": {
-            mode: statistics.median(max(r[mode][k][0] for r in everyone) for k in rounds) for mode in MODES},
-            "waits_s": {mode: statistics.median(r[mode][k][1] for r in everyone for k in rounds) for mode in MODES}})
+    write_median_times(args.json, args, timings)
     dist.destroy_process_group()
 
 
 def report(rate: str, data: dict) -> str:
-    a, passes, waits = data["args"], data["pass_s"], data["waits_s"]
-    rows = [[mode, f"{passes[mode] * 1e3:.1f}", f"{passes[mode] / passes['fused']:.2f}",
-             f"{(waits[mode] - waits['nocomm']) * 1e3:.1f}"] for mode in MODES]
+    a = data["args"]
     return "\n".join([
         f"link {rate}: attention at cp 2 (a2a, {a['slices']} head slices), hidden {a['hidden']}, {a['heads']} heads, "
         f"{a['groups']} K/V groups, seq {a['seq']}, batch {a['batch']}; median of {a['rounds']} rounds",
-        format_table(["mode", "fwd+bwd ms", "/ fused", "blocked ms"], rows)])
+        format_table(["mode", "fwd+bwd ms", "/ fused", "blocked ms"], median_rows(data, MODES, "fused"))])
 
 
 def drive(args) -> None:
-    flags = forward_flags(args, WORKER_FLAGS)
-    base, ext = os.path.splitext(args.json)
-    reports = []
-    for rate in args.rates.split(","):
-        path = f"{base}-{rate}{ext}"
-        launch(os.path.abspath(__file__), 2, flags + ["--json", path], rate=None if rate == "none" else rate,
-               netem=args.netem)
-        reports.append(report(rate, read_json(path)))
-    print("\n\n".join(reports))
+    drive_rates(args, __file__, 2, forward_flags(args, WORKER_FLAGS), report)
 
 
 if __name__ == "__main__":

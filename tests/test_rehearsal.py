@@ -102,6 +102,9 @@ LAYOUTS = [  # (tiny config, world size, overrides): the parity tests' layouts
     # Ulysses with Domino and SP: the queries' exchange before K and V are projected, one backward for both parts
     ("configs/tiny/llama.yaml", 4, ["parallel.tp=2", "parallel.cp=2", "parallel.cp_comm=a2a", "parallel.domino=true",
                                     "parallel.sequence_parallel=true", "train.bf16=true"]),
+    # ... and its attention core a Domino phase of its own, a chunk's output exchange in flight across the next's
+    ("configs/tiny/llama.yaml", 4, ["parallel.tp=2", "parallel.cp=2", "parallel.cp_comm=a2a", "parallel.domino=true",
+                                    "parallel.cp_a2a_output_overlap=true", "train.bf16=true"]),
     ("configs/tiny/llama.yaml", 8, ["parallel.tp=2", "parallel.cp=2", "parallel.pp=2",
                                     "parallel.sequence_parallel=true"]),
     ("configs/tiny/mixtral.yaml", 4, ["parallel.ep=2", "model.moe_grouped_gemm=true", "train.bf16=true"]),

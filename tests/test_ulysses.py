@@ -4,7 +4,9 @@ cp 2 x dp 2 with ZeRO-2 (documents), MoE at cp 2 x dp 2, tp 2 x cp 2 with Domino
 with full recompute, MLA at cp 2 x dp 2 with documents, and tp 2 x cp 2 x pp 2 with Domino (8 ranks). So does
 ``a2a+ring`` (all-to-all groups of 2, a ring of 2 across them): GPT, Llama with documents, few K/V groups, MoE, MLA,
 and tp 2 x cp 4 with Domino and SP (8 ranks). The queries-first projection under zb-h1 (with selective recompute;
-with Domino and SP at tp 2 x cp 2 x pp 2), ZeRO-3 and compile. The all-to-all's exchange is checked element by
+with Domino and SP at tp 2 x cp 2 x pp 2), ZeRO-3 and compile. The output all-to-alls across Domino's
+mu-chunks (``parallel.cp_a2a_output_overlap``) at tp 2 x cp 2 (Llama with SP and documents; GPT), under zb-h1 at
+tp 2 x cp 2 x pp 2 and with a2a+ring at tp 2 x cp 4 (8 ranks). The all-to-all's exchange is checked element by
 element, the head slices' pipeline and the queries going first (exact, and in the order that overlaps); bad
 layouts are refused."""
 from dataclasses import replace
@@ -70,6 +72,9 @@ def test_a2a_and_a2a_ring_compose_with_tp_domino_and_pipeline_on_8_ranks():
     _check_all(8, [a2a(_layout(LLAMA_16, cp=2, tp=2, pp=2, domino=True, documents=True)),
                    a2a(_layout(LLAMA_16, cp=2, tp=2, pp=2, domino=True, sequence_parallel=True),
                        pipeline_schedule="zb-h1"),
+                   a2a(_layout(LLAMA_16, cp=2, tp=2, pp=2, domino=True), pipeline_schedule="zb-h1",
+                       cp_a2a_output_overlap=True),
+                   hybrid(_layout(LLAMA_16, cp=4, tp=2, domino=True, documents=True), cp_a2a_output_overlap=True),
                    hybrid(_layout(LLAMA_16, cp=4, tp=2, domino=True, sequence_parallel=True, documents=True))])
 
 
@@ -80,6 +85,15 @@ def test_a2a_composes_with_zero_bubble_selective_recompute_zero3_and_compile():
     queries' and the keys' QK-norm + RoPE apart), and with Domino at tp 2 under zb-h1 (8 ranks, below)."""
     _check_all(4, [a2a(_layout(replace(LLAMA_16, recompute="selective"), cp=2, pp=2), pipeline_schedule="zb-h1"),
                    a2a(_layout(replace(LLAMA_16, compile=True), cp=2, dp=2, zero_stage=3, documents=True))])
+
+
+@pytest.mark.slow
+def test_output_all_to_alls_overlapping_the_next_domino_chunk_train_like_one_process():
+    """``parallel.cp_a2a_output_overlap``: the attention core a Domino phase of its own at tp 2 x cp 2 (Llama with
+    SP and documents; GPT with intra-layer overlap)."""
+    _check_all(4, [a2a(_layout(LLAMA_16, cp=2, tp=2, domino=True, sequence_parallel=True, documents=True),
+                       cp_a2a_output_overlap=True),
+                   a2a(_layout(GPT, cp=2, tp=2, domino=True), cp_a2a_output_overlap=True, domino_overlap="intra")])
 
 
 def hybrid(layout, size=2, **parallel):
@@ -268,23 +282,3 @@ def test_bad_a2a_layouts_are_refused_before_init():
     assert "model.seq_length = 16" in refused(replace(LLAMA_16, num_attention_heads=12, num_query_groups=12,
                                                       kv_channels=4), cp=3)
 
-
-@pytest.mark.slow
-def test_the_queries_first_benchmark_times_every_mode(tmp_path):
-    """benchmarks/ulysses_queries.py on the raw loopback at a tiny size: a row per mode, and the no-comm bound's
-    time in the exchanges' waits below the fused projection's (the waits it measures are the all-to-alls')."""
-    import json
-    import re
-    import subprocess
-    import sys
-    from tests.training_runs import REPO, environment
-    path = tmp_path / "ulysses_queries.json"
-    result = subprocess.run([sys.executable, "benchmarks/ulysses_queries.py", "--rates", "none", "--hidden", "64",
-                             "--heads", "4", "--seq", "64", "--rounds", "3", "--warmup", "1", "--json", str(path)],
-                            cwd=REPO, env=environment(), capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    assert re.search(r"^link none: attention at cp 2", result.stdout, re.M), result.stdout
-    for mode in ("queries first", "fused", "nocomm"):
-        assert re.search(rf"^{mode}\s+\d+\.\d\s+\d\.\d\d\s+-?\d+\.\d", result.stdout, re.M), result.stdout
-    data = json.loads(path.with_name("ulysses_queries-none.json").read_text())
-    assert data["waits_s"]["nocomm"] < data["waits_s"]["fused"]

@@ -122,6 +122,8 @@ def check_parallel(c: Checks, cfg: Config) -> None:
                           "experts' exchanges (parallel.ep > 1)")
     if not all(isinstance(size, int) and size >= 1 for size in (p.tp, p.cp)):
         return  # the rank grid's rules (check_topology) name them
+    if p.cp_a2a_output_overlap and p.cp == 1:
+        c.warnings.append("parallel.cp_a2a_output_overlap=true has no effect with parallel.cp=1 (no all-to-alls)")
     if p.cp > 1:
         check_context_parallel(c, cfg)
     if p.sequence_parallel and m.seq_length >= 1:

@@ -45,6 +45,9 @@ class ParallelConfig:
     cp_comm: str = "ring"  # CP_COMMS: K/V blocks around a ring, or all-to-alls over the heads (Ulysses)
     cp_a2a_size: Optional[int] = None  # a2a+ring: CP ranks per all-to-all group (inside a node); rings join the groups
     cp_a2a_slices: int = 2  # a2a: head slices pipelined, one's all-to-alls in flight while another attends; 1: none
+    # a2a, a2a+ring with Domino: a mu-chunk's output all-to-alls fly during the next mu-chunk's attention core (the
+    # core a Domino phase of its own); the projection's all-reduce then hides behind less compute
+    cp_a2a_output_overlap: bool = False
     virtual_pp: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     order: str = "tp-cp-dp-pp"  # a permutation of AXES, innermost axis first
     sequence_parallel: bool = False

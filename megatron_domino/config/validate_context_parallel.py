@@ -35,6 +35,8 @@ def check_context_parallel(c, cfg: Config) -> None:
     if p.cp_a2a_size is not None and p.cp_comm != "a2a+ring":
         c.fail("parallel.cp_a2a_size", p.cp_a2a_size, "is the all-to-all group of parallel.cp_comm=a2a+ring only",
                "set parallel.cp_comm=a2a+ring, or leave parallel.cp_a2a_size unset")
+    if p.cp_a2a_output_overlap:
+        _check_output_overlap(c, cfg)
     if m.attention_dropout > 0:
         c.fail("model.attention_dropout", m.attention_dropout,
                "context parallelism (parallel.cp > 1, ring or all-to-all) has no attention dropout",
@@ -57,3 +59,23 @@ def _check_a2a(c, cfg: Config, size: int, key: str) -> None:
         c.fail("model.num_query_groups", m.query_groups, f"parallel.cp_comm={p.cp_comm} cuts a TP rank's {groups} "
                f"K/V groups into {size} slices, or repeats them until it can: the two must divide one another",
                f"use a number of groups that divides {size} or is a multiple of it, or parallel.cp_comm=ring")
+
+
+def _check_output_overlap(c, cfg: Config) -> None:
+    """``parallel.cp_a2a_output_overlap`` makes Ulysses' attention core a Domino phase of its own
+    (``domino.order``): it needs the all-to-alls, Domino's executor, the grouped-query attention that can stop at
+    its output exchange, and no recompute (a recomputed region cannot end with an exchange in flight)."""
+    p, m = cfg.parallel, cfg.model
+    key, value = "parallel.cp_a2a_output_overlap", p.cp_a2a_output_overlap
+    if p.cp_comm == "ring":
+        c.fail(key, value, "overlaps Ulysses' output all-to-alls; the ring has none",
+               "set parallel.cp_comm=a2a or a2a+ring, or leave it false")
+    if not (p.domino and p.tp > 1):
+        c.fail(key, value, "overlaps a Domino mu-chunk's output all-to-alls with the next one's attention, and Domino "
+               "runs at parallel.tp > 1 only", "set parallel.domino=true with parallel.tp > 1, or leave it false")
+    if m.is_mla:
+        c.fail(key, value, "runs grouped-query attention's core apart; latent attention (MLA) has no such phase yet",
+               "leave it false for MLA models")
+    if m.recompute != "none":
+        c.fail(key, value, f"cannot hold an exchange in flight across a recomputed region (model.recompute = "
+               f"{m.recompute!r})", "set model.recompute=none, or leave it false")

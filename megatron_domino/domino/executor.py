@@ -19,7 +19,7 @@ from torch.profiler import record_function
 
 from ..parallel import turns
 from ..tensor_parallel.async_comm import WaitForInputGradient
-from .order import EMBEDDING, HEAD, Step
+from .order import ATTENTION_CORE, EMBEDDING, HEAD, Step
 
 
 @dataclass
@@ -57,9 +57,36 @@ def defer_waits(wait_nodes: list, sequence_nr: int | None) -> None:
             node._set_sequence_nr(sequence_nr)
 
 
-def launch_phase(block, phase: str, x: torch.Tensor, context, column_pieces: int) -> InFlight:
-    """Compute ``phase`` of ``block`` up to its row-parallel projection and start the projection's all-reduce."""
-    pending, bias = block.projection(phase).launch(block.phase_hidden(phase, x, context), column_pieces)
+@dataclass
+class CoreInFlight:
+    """A block's attention core run apart (``order.ATTENTION_CORE``): its Ulysses output all-to-alls in flight
+    (``pending``, a ``models.ulysses.OutputInFlight``); ``finish`` waits for them."""
+
+    pending: object
+    residual: torch.Tensor
+
+    def finish(self) -> "CoreArrived":
+        return CoreArrived(self.pending.wait(), self.residual)
+
+
+@dataclass
+class CoreArrived:
+    """The attention core's output, arrived: the attention phase's launch only projects it."""
+
+    hidden: torch.Tensor
+    residual: torch.Tensor
+
+
+def launch_phase(block, phase: str, x, context, column_pieces: int) -> InFlight | CoreInFlight:
+    """Compute ``phase`` of ``block`` up to its row-parallel projection and start the projection's all-reduce
+    (the attention core apart: up to its output all-to-alls, and start those)."""
+    if phase == ATTENTION_CORE:
+        return CoreInFlight(block.attention_in_flight(x, context), x)
+    if isinstance(x, CoreArrived):
+        hidden, x = x.hidden, x.residual
+    else:
+        hidden = block.phase_hidden(phase, x, context)
+    pending, bias = block.projection(phase).launch(hidden, column_pieces)
     return InFlight(block, pending, bias, x)
 
 

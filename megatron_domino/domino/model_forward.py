@@ -38,7 +38,8 @@ def domino_forward(model, input_tensor: torch.Tensor | None, batch: dict, return
     starts = [i * base + min(i, extra) for i in range(rows + 1)]
     slices = [slice(begin, end) for begin, end in zip(starts, starts[1:])]
     context = model.token_context(batch, batch_size)
-    order = forward_order(len(model.layers), rows, plan.overlap, model.has_embedding, model.has_head)
+    order = forward_order(len(model.layers), rows, plan.overlap, model.has_embedding, model.has_head,
+                          plan.attention_apart)
     contexts = [context.rows(r, len(slices)) for r in slices]
     outputs = run_order(order, model.layers, [] if model.has_embedding else [input_tensor[r] for r in slices],
                         contexts, column_pieces=columns, embed=lambda c: model.embed_async(batch, slices[c]),

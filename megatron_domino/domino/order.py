@@ -13,6 +13,9 @@ Intra-layer overlap waits for every chunk at the end of each layer.
 
     inter, 2 chunks:  E0> E1> | E0 A0> E1 A1> | A0 M0> A1 M1> | M0 A0'> ...    (X> launch, X wait)
 
+Under Ulysses, ``attention_apart`` makes the attention core (up to its output all-to-alls, ``C``) a phase of its
+own: ``C0> C1> | C0 A0> C1 A1> | A0 M0> ...``, so a chunk's output exchange flies during the next chunk's core.
+
 Backward mirrors forward: a launch's backward starts its input-gradient all-reduce, and the wait
 for it runs after the backward of the other chunks' next computation (``backward_order``; the
 executor sets the autograd priorities that make it so).
@@ -24,8 +27,9 @@ from dataclasses import dataclass
 from ..config.schema import DOMINO_OVERLAPS
 
 EMBEDDING, ATTENTION, MLP, HEAD = "embedding", "attention", "mlp", "head"
+ATTENTION_CORE = "attention core"  # Ulysses' attention up to its output all-to-alls (``attention_apart``)
 BLOCK_PHASES = (ATTENTION, MLP)  # the two communicating phases of a block, in order
-_SHORT = {EMBEDDING: "E", ATTENTION: "A", MLP: "M", HEAD: "H"}
+_SHORT = {EMBEDDING: "E", ATTENTION: "A", MLP: "M", HEAD: "H", ATTENTION_CORE: "C"}
 
 
 @dataclass(frozen=True)
@@ -47,8 +51,12 @@ class Step:
 
 
 def forward_order(num_layers: int, chunks: int, overlap: str = "inter", embedding: bool = False,
-                  head: bool = False) -> list[Step]:
-    """The forward steps of a stage with ``num_layers`` blocks (and the embedding / head when it holds them)."""
+                  head: bool = False, attention_apart: bool = False) -> list[Step]:
+    """The forward steps of a stage with ``num_layers`` blocks (and the embedding / head when it holds them).
+    ``attention_apart`` (``parallel.cp_a2a_output_overlap``): each block's attention core is a phase of its own,
+    launched for every chunk before any chunk's projection, so that a chunk's Ulysses output all-to-alls fly
+    while the next chunk's core computes (``C0.0> C0.1> A0.0> A0.1>``); the projection's all-reduce then hides
+    behind the other chunk's projection only, not its whole attention."""
     if overlap not in DOMINO_OVERLAPS:
         raise ValueError(f"parallel.domino_overlap = {overlap!r}: must be one of {DOMINO_OVERLAPS}. "
                          f"Fix: use 'inter'.")
@@ -71,8 +79,9 @@ def forward_order(num_layers: int, chunks: int, overlap: str = "inter", embeddin
     if embedding:
         for chunk in range(chunks):
             launch(EMBEDDING, chunk)
+    phases = (ATTENTION_CORE,) + BLOCK_PHASES if attention_apart else BLOCK_PHASES
     for layer in range(num_layers):
-        for phase in BLOCK_PHASES:
+        for phase in phases:
             for chunk in range(chunks):
                 launch(phase, chunk, layer)
         if overlap == "intra":
@@ -87,13 +96,14 @@ def forward_order(num_layers: int, chunks: int, overlap: str = "inter", embeddin
 
 def backward_order(order: list[Step], chunks: int) -> list[str]:
     """The backward that the executor's priorities produce, as labels: each launch or compute in reverse,
-    its column-parallel input-gradient all-reduce ('~' + label; the embedding has none) waited once the
-    other chunks' next computation is done."""
+    its column-parallel input-gradient all-reduce ('~' + label; the embedding has none, nor an attention launch
+    whose core ran apart) waited once the other chunks' next computation is done."""
     computations = [s for s in order if s.op != "wait"]
+    apart = any(s.phase == ATTENTION_CORE for s in order)  # the attention launch then only projects
     lines, deferred = [], []
     for index, step in enumerate(reversed(computations)):
         lines.append(step.label().rstrip(">") + "'")
-        if step.phase != EMBEDDING:
+        if step.phase != EMBEDDING and not (apart and step.phase == ATTENTION):
             deferred.append((index + chunks - 1, "~" + step.label().rstrip(">")))
         lines += [label for due, label in deferred if due == index]
         deferred = [(due, label) for due, label in deferred if due != index]

@@ -34,10 +34,12 @@ class DominoPlan:
     chunks: int = 2
     split: str = "row"  # row | column | 2d
     overlap: str = "inter"  # intra | inter
+    attention_apart: bool = False  # parallel.cp_a2a_output_overlap: Ulysses' attention core is a phase of its own
 
     @classmethod
     def from_config(cls, parallel) -> "DominoPlan":
-        return cls(parallel.domino, parallel.domino_chunks, parallel.domino_split, parallel.domino_overlap)
+        return cls(parallel.domino, parallel.domino_chunks, parallel.domino_split, parallel.domino_overlap,
+                   parallel.cp_a2a_output_overlap)
 
     def __post_init__(self):
         c = Checks()
@@ -69,7 +71,8 @@ class DominoPlan:
     def overrides(self) -> list[str]:
         """The config overrides that select this plan."""
         return [f"parallel.domino={str(self.enabled).lower()}", f"parallel.domino_chunks={self.chunks}",
-                f"parallel.domino_split={self.split}", f"parallel.domino_overlap={self.overlap}"]
+                f"parallel.domino_split={self.split}", f"parallel.domino_overlap={self.overlap}",
+                f"parallel.cp_a2a_output_overlap={str(self.attention_apart).lower()}"]
 
 
 # The modes that tests and benchmarks compare: synchronous TP, then each Domino split and overlap.

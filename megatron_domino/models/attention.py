@@ -28,7 +28,7 @@ from ..tensor_parallel.output_parts import column_linear_in_parts
 from .document_attention import document_attention
 from .norms import Norm
 from .ring_attention import Ring, ring_attention
-from .ulysses import QueriesInFlight, Ulysses, ulysses_attention
+from .ulysses import OutputInFlight, QueriesInFlight, Ulysses, ulysses_attention
 from .recompute import run
 from .rope import apply_rotary
 from .tokens import NO_CONTEXT, TokenContext
@@ -99,15 +99,16 @@ class AttentionPhase(nn.Module):
             return context.cache.attend(self, q, k, v)
         return self.run_core(self._core, q, k, v, context.doc_offsets)
 
-    def _core(self, q, k, v, doc_offsets):
+    def _core(self, q, k, v, doc_offsets, in_flight: bool = False):
         """Causal softmax(QK^T/sqrt(d)) V, within each document where ``doc_offsets`` (host memory) are given;
-        dropout on probabilities uses the TP stream (heads differ per rank)."""
+        dropout on probabilities uses the TP stream (heads differ per rank). ``in_flight``: Ulysses' output
+        exchanges left in flight (``ulysses_attention``)."""
         if self.ring is not None:
             spread = lambda q, k, v: ring_attention(q, k, v, self.ring, doc_offsets)  # noqa: E731
         else:
             spread = lambda q, k, v: self._whole(q, k, v, doc_offsets)  # noqa: E731
         if self.ulysses is not None:  # a slice of the heads, all the group's tokens (the offsets are the whole's)
-            return ulysses_attention(q, k, v, self.ulysses, spread)
+            return ulysses_attention(q, k, v, self.ulysses, spread, in_flight)
         return spread(q, k, v)
 
     def _whole(self, q, k, v, doc_offsets):
@@ -146,8 +147,22 @@ class Attention(AttentionPhase):
 
     def hidden(self, x: torch.Tensor, context: TokenContext = NO_CONTEXT) -> torch.Tensor:
         """Everything up to the output projection: [b, s, h] -> this rank's heads [b, s, local heads * d]."""
+        b, s, q, k, v = self._heads(x, context)
+        return self.attend(q, k, v, context).transpose(1, 2).reshape(b, s, -1)
+
+    def hidden_in_flight(self, x: torch.Tensor, context: TokenContext) -> OutputInFlight:
+        """``hidden`` under Ulysses with the outputs' all-to-alls left in flight (``OutputInFlight``): Domino's
+        attention core apart (``parallel.cp_a2a_output_overlap``; no recompute, which the config checks)."""
+        b, s, q, k, v = self._heads(x, context)
+        out = self._core(q, k, v, context.doc_offsets, in_flight=True)
+        out.then = lambda out: out.transpose(1, 2).reshape(b, s, -1)
+        return out
+
+    def _heads(self, x: torch.Tensor, context: TokenContext):
+        """(b, s, q, k, v): the heads' queries (or ``QueriesInFlight``), keys and values, rotated, as the kernel
+        takes them."""
         if self.queries_first and context.cache is None:
-            return self._hidden_queries_first(x, context)
+            return self._heads_queries_first(x, context)
         qkv = self.qkv(x)
         b, s = qkv.shape[:2]
         qkv = qkv.view(b, s, self.local_groups, self.queries_per_group + 2, self.head_dim)
@@ -155,11 +170,10 @@ class Attention(AttentionPhase):
         k = qkv[:, :, :, self.queries_per_group].transpose(1, 2)
         v = qkv[:, :, :, self.queries_per_group + 1].transpose(1, 2)
         q, k = self.rotate_heads(q, k, context.rotary)
-        out = self.attend(q, *self._for_kernel(k, v), context)
-        return out.transpose(1, 2).reshape(b, s, -1)
+        return b, s, q, *self._for_kernel(k, v)
 
-    def _hidden_queries_first(self, x: torch.Tensor, context: TokenContext) -> torch.Tensor:
-        """``hidden`` under Ulysses: the queries' all-to-alls start, then K and V are projected."""
+    def _heads_queries_first(self, x: torch.Tensor, context: TokenContext):
+        """``_heads`` under Ulysses: the queries' all-to-all starts, then K and V are projected."""
         first, rest = column_linear_in_parts(x, self.qkv.weight, self.qkv.bias, self.ctx, self.local_groups,
                                              self.queries_per_group * self.head_dim)
         b, s = first.shape[:2]
@@ -169,8 +183,7 @@ class Attention(AttentionPhase):
         k = self.rotate_keys(kv[:, :, :, 0].transpose(1, 2), context.rotary)
         if self.run_core is not run:  # the core is recomputed in backward: it must find the queries arrived
             queries.arrive()
-        out = self.attend(queries, *self._for_kernel(k, kv[:, :, :, 1].transpose(1, 2)), context)
-        return out.transpose(1, 2).reshape(b, s, -1)
+        return b, s, queries, *self._for_kernel(k, kv[:, :, :, 1].transpose(1, 2))
 
     def _for_kernel(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as the kernel takes them: expanded to one per query head for ``efficient``, which takes no GQA."""

@@ -46,6 +46,11 @@ class TransformerBlock(nn.Module):
         norm, mixer = self.phases[phase]
         return self.run_phase(lambda x, context: mixer.hidden(norm(x), context), x, context)
 
+    def attention_in_flight(self, x: torch.Tensor, context: TokenContext):
+        """Domino's attention core apart (``parallel.cp_a2a_output_overlap``): norm, then the attention up to
+        its Ulysses output all-to-alls, left in flight (``Attention.hidden_in_flight``)."""
+        return self.attention.hidden_in_flight(self.input_norm(x), context)
+
     def projection(self, phase: str):
         """The mixer of ``phase``: its ``project`` / ``launch`` is the phase's row-parallel projection."""
         return self.phases[phase][1]

@@ -198,14 +198,34 @@ class QueriesInFlight:
         return self
 
 
-def ulysses_attention(q, k, v, ulysses: Ulysses, core):
+class OutputInFlight:
+    """The outputs' all-to-alls of ``ulysses_attention(..., in_flight=True)``, one per head slice, still in flight:
+    Domino's attention core apart (``parallel.cp_a2a_output_overlap``) waits for them after the next μ-chunk's
+    core ran. ``then`` shapes the arrived [b, heads, s / cp, d]."""
+
+    def __init__(self, returning: list, then=lambda out: out):
+        self.returning, self.then = returning, then
+
+    @property
+    def pieces(self) -> list[torch.Tensor]:
+        """The arriving outputs (their autograd graph reaches back through the attention: Domino's executor
+        looks for the projection's input-gradient waits there)."""
+        return [arriving for _, arriving in self.returning]
+
+    def wait(self) -> torch.Tensor:
+        outs = [_split(*exchange) for exchange in self.returning]
+        return self.then(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
+
+
+def ulysses_attention(q, k, v, ulysses: Ulysses, core, in_flight: bool = False):
     """``core(q, k, v)`` (attention over whole sequences) on this rank's head slice; q [b, heads, s / cp, d] (or
     already on its way: ``QueriesInFlight``), k and v [b, groups, s / cp, d]; returns [b, heads, s / cp, d].
 
     The heads are cut into slices (``head_slices``) run as a pipeline: slice i + 1's all-to-alls are in flight
     while slice i's attention runs, and slice i's output returns during slice i + 1's; backward, the gradients'
     exchanges overlap the other slice's attention backward the same way. One slice: nothing to overlap with but
-    the exchanges themselves (Q, K and V in flight together)."""
+    the exchanges themselves (Q, K and V in flight together). ``in_flight``: return the outputs' exchanges
+    unwaited (``OutputInFlight``)."""
     arrived = isinstance(q, QueriesInFlight)
     n = q.slices if arrived else head_slices(q.shape[1], k.shape[1], ulysses)
     groups = k.shape[1]
@@ -226,5 +246,5 @@ def ulysses_attention(q, k, v, ulysses: Ulysses, core):
         joined = [_joined(*exchange, to_sequence_order) for exchange in launched[i]]
         out = core(*([q.slice(i)] if arrived else []), *joined)
         returning.append(_launch_to_sequence(out, ulysses, to_members_order))
-    outs = [_split(*exchange) for exchange in returning]
-    return outs[0] if n == 1 else torch.cat(outs, dim=1)
+    arriving = OutputInFlight(returning)
+    return arriving if in_flight else arriving.wait()
