@@ -155,7 +155,7 @@ class Attention(AttentionPhase):
         attention core apart (``parallel.cp_a2a_output_overlap``; no recompute, which the config checks)."""
         b, s, q, k, v = self._heads(x, context)
         out = self._core(q, k, v, context.doc_offsets, in_flight=True)
-        out.then = lambda out: out.transpose(1, 2).reshape(b, s, -1)
+        out.then = lambda arrived: arrived.transpose(1, 2).reshape(b, s, -1)
         return out
 
     def _heads(self, x: torch.Tensor, context: TokenContext):
