@@ -201,10 +201,13 @@ def test_head_slices_pipeline_the_all_to_alls_behind_attention_and_stay_exact():
 def _queries_first(rank, world_size):
     """A GPT attention at cp 2 (2 head slices): slice 0's queries leave before K and V are projected, slice 1's
     with its K and V during slice 0's attention, and slice 1's query gradient leaves before slice 0's attention
-    backward; the output and every gradient equal the same attention projected whole (queries_first off), to
-    1e-12."""
+    backward, under selective recompute too (its queries joined before the recomputed region, their backward
+    priority raised to where their attention runs); the output and every gradient equal the same attention
+    projected whole (queries_first off), to 1e-12."""
+    import itertools
     import torch.distributed as dist
     from megatron_domino.models.attention import Attention
+    from megatron_domino.models.recompute import recompute, run
     from megatron_domino.tensor_parallel import output_parts
     from megatron_domino.tensor_parallel.context import LayerContext
     group = dist.new_group(list(range(world_size)))
@@ -217,16 +220,16 @@ def _queries_first(rank, world_size):
     x = whole.index_select(1, local_positions(GPT.seq_length, world_size, rank))
     assert attention.queries_first
     results, logs = {}, {}
-    for first in (True, False):
-        attention.queries_first, log = first, _Log()
+    for variant, first, runner in (("first", True, run), ("fused", False, run), ("selective", True, recompute)):
+        attention.queries_first, attention.run_core, log = first, runner, _Log()
         real_start, real_rest, real_whole = ulysses_module._start, output_parts._RestPart.forward, attention._whole
-        calls = iter(range(2))
+        calls = itertools.count()  # the slices' attention, again when recomputed
 
         def rest(ctx, placeholder, parts):
             log.events.append(("K and V projected",))
             return real_rest(ctx, placeholder, parts)
         ulysses_module._start, output_parts._RestPart.forward = log.start(real_start), staticmethod(rest)
-        attention._whole = lambda *args: _Mark.apply(real_whole(*args), log, next(calls))  # noqa: E731
+        attention._whole = lambda *args: _Mark.apply(real_whole(*args), log, next(calls) % 2)  # noqa: E731
         try:
             attention.zero_grad()
             mine = x.clone().requires_grad_()
@@ -235,16 +238,18 @@ def _queries_first(rank, world_size):
         finally:
             ulysses_module._start, output_parts._RestPart.forward = real_start, staticmethod(real_rest)
             del attention._whole
-        results[first] = [out.detach(), mine.grad] + [p.grad for p in attention.parameters() if p.grad is not None]
-        logs[first] = log
-    for got, expected in zip(results[True], results[False]):
-        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
-    log = logs[True]  # forward: 0 slice 0's queries; 1, 2 its K and V; 3-5 slice 1's Q, K, V; 6, 7 the outputs
+        results[variant] = [out.detach(), mine.grad] + [p.grad for p in attention.parameters() if p.grad is not None]
+        logs[variant] = log
+    for variant in ("first", "selective"):
+        for got, expected in zip(results[variant], results["fused"]):
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+        log = logs[variant]
+        backward = log.events[log.index(("attention backward", 1)):log.index(("attention backward", 0))]
+        assert len([e for e in backward if e[0] == "start"]) == 3, (variant, backward)  # slice 1's dQ, dK, dV left
+    log = logs["first"]  # forward: 0 slice 0's queries; 1, 2 its K and V; 3-5 slice 1's Q, K, V; 6, 7 the outputs
     assert log.index(("start", 0)) < log.index(("K and V projected",)) < log.index(("start", 1))
     assert log.index(("start", 5)) < log.index(("attention", 0)) < log.index(("wait", 3))
-    backward = log.events[log.index(("attention backward", 1)):log.index(("attention backward", 0))]
-    assert len([e for e in backward if e[0] == "start"]) == 3, backward  # slice 1's dQ, dK, dV left
-    assert ("K and V projected",) not in logs[False].events and log.started == logs[False].started == 16
+    assert ("K and V projected",) not in logs["fused"].events and log.started == logs["fused"].started == 16
     return True
 
 

@@ -19,9 +19,10 @@ so one slice's all-to-alls fly while another's attention runs, forward and backw
 go first (``QueriesInFlight``): ``models.attention`` projects them, starts slice 0's all-to-all and projects K
 and V while it flies (``tensor_parallel.output_parts``: one linear's backward for both parts). Every rank issues
 the same all-to-alls (slice 0's Q; its K and V; then Q, K and V per further slice; the outputs) in the same
-order: NCCL's rules. A
-recomputed forward (``model.recompute``) repeats them: full recompute all four per slice (it saves no activation
-of attention); selective recompute, whose region starts after the queries arrived, K, V and the output.
+order: NCCL's rules. With Domino, ``parallel.cp_a2a_output_overlap`` leaves the outputs' all-to-alls in flight
+(``OutputInFlight``) while the next mu-chunk's attention runs (``domino.order``). A recomputed forward
+(``model.recompute``) repeats the exchanges: full recompute all four per slice (it saves no activation of
+attention); selective recompute, whose region starts after the queries arrived, K, V and the output.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..domino.executor import defer_waits, sequence_mark
 from .ring_attention import local_positions
 
 
@@ -174,6 +176,7 @@ class QueriesInFlight:
         self.parts = list(q.chunk(self.slices, dim=1))
         self.launched: list[tuple | None] = [None] * self.slices
         self.joined: list[torch.Tensor | None] = [None] * self.slices
+        self.early: set[int] = set()  # slices joined by ``arrive``, their priority not yet raised
         self.launch(0)
 
     def launch(self, i: int) -> None:
@@ -182,12 +185,16 @@ class QueriesInFlight:
             self.launched[i], self.parts[i] = _launch_to_heads(self.parts[i], self.ulysses), None
 
     def slice(self, i: int) -> torch.Tensor:
-        """Slice i's queries over the group's tokens in sequence order, waited for at the first call. Joined
-        where its attention runs, its autograd steps get that attention's backward priority: the slice's query
-        gradient leaves as soon as its attention backward ran, as K's and V's do."""
+        """Slice i's queries over the group's tokens in sequence order, waited for at the first call. Its
+        autograd steps get the backward priority of the point where its attention runs (joined there, or, after
+        ``arrive``, raised to it at the first call after), so that the slice's query gradient leaves as soon as
+        its attention backward ran, as K's and V's do."""
         if self.joined[i] is None:
             self.launch(i)
             self.joined[i], self.launched[i] = _joined(*self.launched[i], self.to_sequence_order), None
+        elif i in self.early:
+            self.early.discard(i)
+            defer_waits(_steps_back_to_wait(self.joined[i]), sequence_mark())
         return self.joined[i]
 
     def arrive(self) -> QueriesInFlight:
@@ -195,6 +202,7 @@ class QueriesInFlight:
         must find the same queries when it runs again."""
         for i in range(self.slices):
             self.slice(i)
+        self.early = set(range(self.slices))
         return self
 
 
@@ -215,6 +223,17 @@ class OutputInFlight:
     def wait(self) -> torch.Tensor:
         outs = [_split(*exchange) for exchange in self.returning]
         return self.then(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
+
+
+def _steps_back_to_wait(joined: torch.Tensor) -> list:
+    """The autograd steps from a joined exchange's result back to its ``_Wait`` (the reorder, then the wait)."""
+    steps, node = [], joined.grad_fn
+    while node is not None:
+        steps.append(node)
+        if isinstance(node, _Wait._backward_cls):
+            break
+        node = node.next_functions[0][0]
+    return steps
 
 
 def ulysses_attention(q, k, v, ulysses: Ulysses, core, in_flight: bool = False):
