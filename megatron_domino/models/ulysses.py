@@ -171,7 +171,7 @@ class QueriesInFlight:
     made last (the wire carries one exchange after another)."""
 
     def __init__(self, q: torch.Tensor, groups: int, ulysses: Ulysses):
-        self.ulysses, self.to_sequence_order = ulysses, _orders(ulysses, q.shape[2], q.device)[0]
+        self.ulysses, self.orders = ulysses, _orders(ulysses, q.shape[2], q.device)  # ulysses_attention's too
         self.slices = head_slices(q.shape[1], groups, ulysses)
         self.parts = list(q.chunk(self.slices, dim=1))
         self.launched: list[tuple | None] = [None] * self.slices
@@ -191,7 +191,7 @@ class QueriesInFlight:
         its attention backward ran, as K's and V's do."""
         if self.joined[i] is None:
             self.launch(i)
-            self.joined[i], self.launched[i] = _joined(*self.launched[i], self.to_sequence_order), None
+            self.joined[i], self.launched[i] = _joined(*self.launched[i], self.orders[0]), None
         elif i in self.early:
             self.early.discard(i)
             defer_waits(_steps_back_to_wait(self.joined[i]), sequence_mark())
@@ -251,7 +251,7 @@ def ulysses_attention(q, k, v, ulysses: Ulysses, core, in_flight: bool = False):
     if groups % ulysses.size:  # fewer groups than ranks: a copy of each for every rank that reads it
         k = k.repeat_interleave(ulysses.size // groups, dim=1)
         v = v.repeat_interleave(ulysses.size // groups, dim=1)
-    to_sequence_order, to_members_order = _orders(ulysses, k.shape[2], k.device)
+    to_sequence_order, to_members_order = q.orders if arrived else _orders(ulysses, k.shape[2], k.device)
     parts = [x.chunk(n, dim=1) for x in ((k, v) if arrived else (q, k, v))]
 
     def launch(i: int) -> list:
