@@ -13,8 +13,9 @@
 #   3. train: GPT-1.3B, bf16, TP1, 30 steps with model.attention_backend=flash (a non-flash attention call
 #      raises) and log.sync_debug=true (a host sync in a steady-state step raises). If the sync check fails,
 #      train-unchecked repeats the run without it, so the table still gets our numbers (the check stays FAILED);
-#      then train-compile, train-fp8-tensorwise, train-fp8-blockwise: the same run, 15 steps, with model.compile,
-#      model.fp8=tensorwise and model.fp8=blockwise (no megatron-core rows: its FP8 needs Transformer Engine);
+#      then train-compile, train-fp8-tensorwise, train-fp8-tensorwise-compile, train-fp8-blockwise: the same run,
+#      15 steps, with model.compile, model.fp8=tensorwise (eager casts, then compiled ones, as torchao runs it)
+#      and model.fp8=blockwise (no megatron-core rows: its FP8 needs Transformer Engine);
 #   4. megatron-core: benchmarks/megatron_core_gpt.py, megatron-core's GPTModel (local layer spec) of the same
 #      shape, batch, data, FLOP formula and timing;
 #   5. domino-parity: Domino on CUDA gives sync TP's loss and gradients: 2 ranks (gloo on one GPU).
@@ -33,9 +34,10 @@
 # SKIP="domino-parity"), GPU_CHECK_OFFLINE=1 (no registry probe, no pip from an index), MCORE_WHEELS (a dir),
 # GPU_CHECK_OUT (where logs go; on the device machine GPU_CHECK_OUT=$OUT/gpu_check brings them back).
 # Time limits (s, each killed 5 s after): install 60, install-megatron-core 40, unit-tests 150, train 120,
-# train-unchecked 75, 3 x 150 for the variants, megatron-core 130, domino-parity 55: at most 1080 s of steps,
-# ~14 min with the probe and start-ups at worst; measured on an H200 (2026-12-04): train 46 s, train-compile 51 s,
-# train-fp8-tensorwise 64 s (30 steps each; blockwise ran 7.4 s a step, hence the variants' 15 steps).
+# train-unchecked 75, 4 x 130 for the variants, megatron-core 130, domino-parity 55: at most 1130 s of steps,
+# ~15 min with the probe and start-ups at worst; measured on an H200 (2026-12-04): train 46 s, train-compile 51 s,
+# train-fp8-tensorwise 64 s (30 steps each; blockwise ran 7.4 s a step tile by tile, hence the variants' 15
+# steps; cuBLAS's one-call blockwise kernel, fp8/native_blockwise.py, was not there yet).
 # Micro batch 4: megatron-core's local attention keeps s x s tensors for backward (the fp32 softmax output,
 # the dropout mask, the bf16 probabilities: ~1.75 GiB per layer at micro batch 4), which at 8 would fill the
 # H200 with 24 layers.
@@ -46,7 +48,7 @@ cd "$(dirname "$0")/.."
 DRY=${DRY:-0}
 OUT=${GPU_CHECK_OUT:-benchmarks/results/gpu_check}
 mkdir -p "$OUT"  # only this script's own files are removed (GPU_CHECK_OUT may name any folder)
-rm -rf "${OUT:?}"/{train,train-unchecked,train-compile,train-fp8-tensorwise,train-fp8-blockwise,megatron-core} \
+rm -rf "${OUT:?}"/{train,train-unchecked,train-compile,train-fp8-tensorwise,train-fp8-tensorwise-compile,train-fp8-blockwise,megatron-core} \
        "$OUT"/*.log "$OUT"/{constraints.txt,found.sh,table.txt}
 PY=${PYTHON:-$(command -v python3 >/dev/null 2>&1 && echo python3 || echo python)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # megatron_domino from this checkout, installed or not
@@ -239,10 +241,11 @@ fi
 FP8_BLOCK=$([ "$DRY" = 1 ] && echo 32 || echo 128)  # the tiny model's hidden size is 64
 VARIANT_STEPS=$(( STEPS / 2 > WARMUP + INTERVAL ? STEPS / 2 : STEPS ))
 VARIANTS=(compile:model.compile=true fp8-tensorwise:model.fp8=tensorwise
+          fp8-tensorwise-compile:model.fp8=tensorwise,model.compile=true
           fp8-blockwise:model.fp8=blockwise,model.fp8_block_size=$FP8_BLOCK)
 for variant in "${VARIANTS[@]}"; do
   IFS=, read -r -a settings <<< "${variant#*:}"
-  step "train-${variant%%:*}" 150 "$PY" pretrain_gpt.py "${TRAIN[@]}" "${COMMON[@]}" \
+  step "train-${variant%%:*}" 130 "$PY" pretrain_gpt.py "${TRAIN[@]}" "${COMMON[@]}" \
     log.dir="$OUT/train-${variant%%:*}" model.attention_backend=flash train.steps="$VARIANT_STEPS" "${settings[@]}" \
     || true
 done
@@ -302,7 +305,7 @@ def megatron_core():
 
 
 variants = [(f"megatron_domino, {name}", ours(os.path.join(out, f"train-{name}")))
-            for name in ("compile", "fp8-tensorwise", "fp8-blockwise")]
+            for name in ("compile", "fp8-tensorwise", "fp8-tensorwise-compile", "fp8-blockwise")]
 mcore = megatron_core()
 mcore_name = mcore["framework"] + " (local spec)" if mcore else "megatron-core"
 runs = [("megatron_domino", ours(ours_dir)), (mcore_name, mcore), *variants]

@@ -148,7 +148,8 @@ def test_grouped_gemm_experts_on_cuda_equal_the_loop():
     cfg = replace(LLAMA_MOE, hidden_size=128, moe_ffn_hidden_size=256, moe_capacity_factor=0.5)
     results = []
     for grouped in (False, True):
-        moe = MoE(replace(cfg, moe_grouped_gemm=grouped), LayerContext(dtype=torch.bfloat16, device=torch.device("cuda")))
+        context = LayerContext(dtype=torch.bfloat16, device=torch.device("cuda"))
+        moe = MoE(replace(cfg, moe_grouped_gemm=grouped), context)
         torch.manual_seed(0)
         for param in moe.parameters():
             torch.nn.init.normal_(param, std=0.05)
@@ -157,3 +158,30 @@ def test_grouped_gemm_experts_on_cuda_equal_the_loop():
         results.append((out, *torch.autograd.grad(out.float().square().sum(), [x, *moe.parameters()])))
     for loop, grouped in zip(*results):
         torch.testing.assert_close(grouped.float(), loop.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_blockwise_fp8_runs_in_one_cublas_call_on_hopper_and_equals_the_loop():
+    """Blockwise FP8 (128-wide tiles) takes cuBLAS's blockwise kernel where torch and the GPU have it (Hopper,
+    CUDA 12.9+): a linear's output and gradients equal the tile-by-tile loop up to the kernel's accumulation."""
+    from megatron_domino.fp8 import native_blockwise
+    from megatron_domino.fp8.linear import linear
+    from megatron_domino.fp8.scaling import Fp8Recipe, LinearScaling
+    device = torch.device("cuda")
+    cuda = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
+    expected = torch.cuda.get_device_capability() == (9, 0) and cuda >= (12, 9)
+    if not native_blockwise.works(device):
+        assert not expected, f"no blockwise kernel on a Hopper GPU with torch {torch.__version__}"
+        pytest.skip("cuBLAS's blockwise FP8 kernel needs a Hopper GPU and CUDA 12.9+")
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(1024, 2048, device=device, generator=gen, dtype=torch.bfloat16) * 3
+    w = torch.randn(1536, 2048, device=device, generator=gen, dtype=torch.bfloat16) * 0.02
+    g = torch.randn(1024, 1536, device=device, generator=gen, dtype=torch.bfloat16) * 1e-3
+    results = []
+    for native in (False, True):
+        native_blockwise._works[device] = native
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = linear(xs, ws, None, LinearScaling(Fp8Recipe("blockwise", block=128), (), None))
+        y.backward(g)
+        results.append((y.float(), xs.grad.float(), ws.grad.float()))
+    for loop, one_call in zip(*results):
+        assert torch.linalg.vector_norm(one_call - loop) <= 2e-3 * torch.linalg.vector_norm(loop)

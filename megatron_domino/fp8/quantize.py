@@ -5,18 +5,22 @@ An operand is 2-D and its last dimension is the one the GEMM contracts. Its scal
 row and per tile of ``block`` columns ([rows, cols / block]), which covers DeepSeek-V3's 1 x 128 activation
 tiles and, repeated over a block's rows, its 128 x 128 weight blocks. With tiles the GEMM runs one
 row-wise-scaled product per tile column and sums them in fp32, which is DeepSeek's "promotion" at every
-block of the contraction. On CUDA ``torch._scaled_mm`` does each product. On the CPU, torch's ``_scaled_mm`` upcasts
-the operands, scales them and multiplies in fp32, through a kernel 100 to 2,000 times slower than an fp32 GEMM
-(0.2 s for 256 x 64 x 192 on a 2-core Xeon); ``_product`` does those same steps with ATen's fast ops, and a test
-holds it bit-equal to ``torch._scaled_mm``.
+block of the contraction; on CUDA, 128-wide tiles go to cuBLAS's blockwise kernel in one call where it exists
+(``native_blockwise``); otherwise ``torch._scaled_mm`` does each product on CUDA. On the CPU, torch's
+``_scaled_mm`` upcasts the operands, scales them and multiplies in fp32, through a kernel 100 to 2,000 times
+slower than an fp32 GEMM (0.2 s for 256 x 64 x 192 on a 2-core Xeon); ``_product`` does those same steps with
+ATen's fast ops, and a test holds it bit-equal to ``torch._scaled_mm``.
 """
 from __future__ import annotations
 
 import functools
+import types
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from . import native_blockwise
 
 FORMATS = {"e4m3": getattr(torch, "float8_e4m3fn", None), "e5m2": getattr(torch, "float8_e5m2", None)}
 
@@ -26,11 +30,12 @@ class Quantized:
     data: torch.Tensor  # float8, [rows, cols], row-major
     scale: torch.Tensor  # fp32 dequantisation multipliers: [] or [rows, cols / block]
     block: int = 0  # tile width along the columns; 0: one scale for the whole tensor
+    tile_rows: int = 1  # rows of a tile (a weight's blocks: ``block``); its scales repeat on each of them
 
     def rows(self, index) -> "Quantized":
-        """The operand restricted to some rows (a Domino piece of a weight)."""
+        """The operand restricted to some rows (a Domino piece of a weight: whole blocks)."""
         scale = self.scale if self.block == 0 else self.scale[index]
-        return Quantized(self.data[index], scale, self.block)
+        return Quantized(self.data[index], scale, self.block, self.tile_rows)
 
 
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0, power_of_two: bool = True) -> torch.Tensor:
@@ -63,7 +68,7 @@ def _tile_cast(tiles: torch.Tensor, dtype: torch.dtype, margin: int, power_of_tw
 @dataclass(frozen=True)
 class Kernels:
     """The elementwise work of quantising: an amax, a cast, a tile's amax and cast. ``model.compile`` fuses each
-    into one kernel (``compiled_kernels``); eagerly each is a chain of ATen ops."""
+    into one kernel (``CompiledKernels``); eagerly each is a chain of ATen ops."""
 
     amax: Callable = _amax
     cast: Callable = _cast
@@ -73,15 +78,46 @@ class Kernels:
 EAGER = Kernels()
 
 
+def _own_copy(function: Callable) -> Callable:
+    """``function`` with a code object of its own: dynamo keeps at most 8 graphs per code object."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
+
+
+class CompiledKernels:
+    """The same functions through torch.compile (dynamic shapes: every linear's differ), a compiled copy per FP8
+    format and tile height. Dynamo guards on each (and on the layout: rows or a transposed view; and the storage
+    offset: 0 or a piece's), so one copy for all would pass its limit of 8 graphs. Inputs come detached: a
+    Parameter, or requires_grad, would be a graph of its own too."""
+
+    def __init__(self):
+        self.copies: dict[tuple, tuple[Callable, Callable]] = {}  # key -> (the copy, its compiled form)
+
+    def _compiled(self, function: Callable, *key) -> Callable:
+        if (function, *key) not in self.copies:
+            copy = _own_copy(function)
+            self.copies[(function, *key)] = copy, torch.compile(copy, dynamic=True, fullgraph=True)
+        return self.copies[(function, *key)][1]
+
+    def amax(self, x):
+        return self._compiled(_amax)(x)
+
+    def cast(self, x, scale, dtype):
+        return self._compiled(_cast, dtype)(x, scale, dtype)
+
+    def tile_cast(self, tiles, dtype, margin, power_of_two):
+        return self._compiled(_tile_cast, dtype, tiles.shape[1])(tiles, dtype, margin, power_of_two)
+
+
 @functools.cache
-def compiled_kernels() -> Kernels:
-    """The same functions through torch.compile, once per process; shapes are dynamic (every linear's differ)."""
-    return Kernels(*(torch.compile(f, dynamic=True, fullgraph=True) for f in (_amax, _cast, _tile_cast)))
+def compiled_kernels() -> CompiledKernels:
+    """One set per process."""
+    return CompiledKernels()
 
 
 def quantize_tensorwise(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, kernels: Kernels = EAGER
                         ) -> Quantized:
-    return Quantized(kernels.cast(x, scale, dtype).contiguous(), scale.float().reshape(()))
+    return Quantized(kernels.cast(x.detach(), scale, dtype).contiguous(), scale.float().reshape(()))
 
 
 def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -95,11 +131,11 @@ def quantize_tiles(x: torch.Tensor, block: int, dtype: torch.dtype, margin: int 
     """Scales per ``tile_rows`` x ``block`` tile (1: DeepSeek's activation tiles; ``block``: its weight blocks),
     stored per row. ``x`` may be a transposed view: the FP8 data comes out row-major in one pass."""
     rows, cols = x.shape
-    padded = _padded(x.float(), tile_rows, block)
+    padded = _padded(x.detach().float(), tile_rows, block)
     tiles = padded.reshape(padded.shape[0] // tile_rows, tile_rows, padded.shape[1] // block, block)
     data, scale = kernels.tile_cast(tiles, dtype, margin, power_of_two)
     data = data.reshape(padded.shape)[:rows, :cols]
-    return Quantized(data.contiguous(), scale.repeat_interleave(tile_rows, 0)[:rows].contiguous(), block)
+    return Quantized(data.contiguous(), scale.repeat_interleave(tile_rows, 0)[:rows].contiguous(), block, tile_rows)
 
 
 def _product(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
@@ -123,6 +159,9 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, out: torch.Ten
         return _product(a.data, b.data.t(), a.scale, b.scale, out.dtype, out)
     if a.block != b.block:
         raise ValueError(f"FP8 operands tiled differently: {a.block} and {b.block} columns")
+    if a.block == native_blockwise.BLOCK and a.tile_rows == 1:
+        if native_blockwise.product(a.data, a.scale, b.data, b.scale, b.tile_rows, out) is not None:
+            return out
     block, cols = a.block, a.data.shape[1]
     total = None
     for tile, start in enumerate(range(0, cols, block)):
