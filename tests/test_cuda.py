@@ -185,3 +185,30 @@ def test_blockwise_fp8_runs_in_one_cublas_call_on_hopper_and_equals_the_loop():
         results.append((y.float(), xs.grad.float(), ws.grad.float()))
     for loop, one_call in zip(*results):
         assert torch.linalg.vector_norm(one_call - loop) <= 2e-3 * torch.linalg.vector_norm(loop)
+
+
+def test_a_killed_worker_restarts_under_torchrun_on_nccl_and_ends_bitwise(tmp_path):
+    """torchrun --max-restarts=1 on NCCL (world size 1: one GPU cannot hold two NCCL ranks): the worker killed at
+    step 5 of 12 is restarted, its attempt starts NCCL again in a store namespace of its own, resumes from
+    ``latest`` by itself and ends bit for bit where the uninterrupted run ends."""
+    import signal
+
+    from megatron_domino.parallel.launch import free_port
+    from tests.test_restart import assert_equal_to, finish, torchrun_job
+    from tests.training_runs import kill_group, wait_for_step, worker_pids
+    overrides = [*CUDA, "parallel.pp=1", "model.attention_backend=flash"]
+    reference = str(tmp_path / "reference")
+    status, text = finish(torchrun_job(reference, 1, free_port(), reference + ".txt", 1, overrides), reference + ".txt")
+    assert status == 0, text[-4000:]
+    run = str(tmp_path / "run")
+    agent = torchrun_job(run, 1, free_port(), run + ".txt", 1, overrides)
+    try:
+        wait_for_step(run, 5, agent)
+        os.kill(worker_pids(agent.pid)[0], signal.SIGKILL)
+        status = agent.wait(timeout=120)
+    finally:
+        kill_group(agent)
+    text = open(run + ".txt").read()
+    assert status == 0, text[-4000:]
+    assert "restart attempt 1: resuming from step " in text and "(torchrun restart 1)" in text, text[-4000:]
+    assert_equal_to(reference, run)

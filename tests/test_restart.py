@@ -194,7 +194,7 @@ def slurm_job(tmp_path):
     return start
 
 
-def _finish(proc: subprocess.Popen, output, timeout: float = 120) -> tuple[int, str]:
+def finish(proc: subprocess.Popen, output, timeout: float = 120) -> tuple[int, str]:
     try:
         status = proc.wait(timeout=timeout)
     finally:
@@ -218,7 +218,7 @@ def test_the_batch_script_forwards_the_warning_and_requeues_after_a_save(slurm_j
         os.kill(proc.pid, signal.SIGUSR1)  # what --signal=B:USR1 does: the batch shell, not the tasks
     else:
         stop.touch()  # the run ends by itself
-    status, text = _finish(proc, output)
+    status, text = finish(proc, output)
     calls = slurm_job.calls()
     assert calls[0].startswith("srun --kill-on-bad-exit=1 "), calls
     assert (calls[1:] == ["scontrol requeue 4242"]) == requeued, (calls, text)
@@ -233,26 +233,28 @@ def test_slurms_warning_saves_requeues_and_the_requeued_job_resumes_bitwise(slur
     first = slurm_job(args, tmp_path / "first.txt")
     wait_for_step(run, 3, first)
     os.kill(first.pid, signal.SIGUSR1)  # --signal=B:USR1: the batch shell, not the ranks
-    status, text = _finish(first, tmp_path / "first.txt")
+    status, text = finish(first, tmp_path / "first.txt")
     assert status == 0 and "preemption signal received: saving at step" in text, text[-4000:]
     assert slurm_job.calls()[1:] == ["scontrol requeue 4242"], slurm_job.calls()
     saved = json.load(open(os.path.join(run, "checkpoints", fmt.LATEST)))["step"]
     assert 3 <= saved < 12
-    status, text = _finish(slurm_job(args, tmp_path / "again.txt", SLURM_RESTART_COUNT="1"), tmp_path / "again.txt")
+    status, text = finish(slurm_job(args, tmp_path / "again.txt", SLURM_RESTART_COUNT="1"), tmp_path / "again.txt")
     assert status == 0, text[-4000:]
     assert f"restart attempt 1: resuming from step {saved} (slurm requeue 1)" in text, text[-4000:]
     assert slurm_job.calls()[2:] == [slurm_job.calls()[0]]  # srun again, and no second requeue
-    _assert_equal_to(reference, run)
+    assert_equal_to(reference, run)
 
 
 # ----- torchrun --max-restarts ------------------------------------------------------------------------------
-def _torchrun(run: str, nodes: int, port: int, log_path) -> subprocess.Popen:
-    """One torchrun agent of a ``nodes``-node job (2 ranks in all) on this host, c10d rendezvous."""
-    per_node = 2 // nodes
+def torchrun_job(run: str, nodes: int, port: int, log_path, ranks: int = 2, overrides=()) -> subprocess.Popen:
+    """One torchrun agent of a ``nodes``-node job (``ranks`` in all) on this host, c10d rendezvous, one restart
+    allowed; ``overrides`` come after RUN's."""
+    per_node = ranks // nodes
     command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={per_node}",
                "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=job",
                "--monitor-interval=0.5", os.path.join(REPO, "pretrain_gpt.py"), "--config",
-               os.path.join(REPO, TINY["gpt"]), *COMMON, f"log.dir={run}", f"checkpoint.dir={run}/checkpoints", *RUN]
+               os.path.join(REPO, TINY["gpt"]), *COMMON, f"log.dir={run}", f"checkpoint.dir={run}/checkpoints", *RUN,
+               *overrides]
     env = environment()
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
@@ -263,7 +265,7 @@ def _torchrun(run: str, nodes: int, port: int, log_path) -> subprocess.Popen:
 def reference(tmp_path_factory):
     """The uninterrupted run."""
     run = str(tmp_path_factory.mktemp("reference") / "run")
-    status, text = _finish(_torchrun(run, 1, free_port(), run + ".txt"), run + ".txt")
+    status, text = finish(torchrun_job(run, 1, free_port(), run + ".txt"), run + ".txt")
     assert status == 0, text[-4000:]
     return run
 
@@ -273,7 +275,7 @@ def _rank_of(pid: int) -> int:
         return int(dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)[b"RANK"])
 
 
-def _assert_equal_to(reference: str, run: str) -> None:
+def assert_equal_to(reference: str, run: str) -> None:
     """Every step the run logged (both attempts') has the reference's loss, each step once in metrics.jsonl (the
     dead attempt's records past the checkpoint set aside), and the final weights and optimizer state are the
     reference's, bit for bit."""
@@ -288,7 +290,7 @@ def _assert_equal_to(reference: str, run: str) -> None:
 def test_a_killed_rank_restarts_in_the_job_and_ends_bitwise(reference, tmp_path, nodes, victim):
     """Two agents give two nodes whose restart counts differ after the restart (each agent counts its own)."""
     run, port = str(tmp_path / "run"), free_port()
-    agents = [_torchrun(run, nodes, port, tmp_path / f"node{n}.txt") for n in range(nodes)]
+    agents = [torchrun_job(run, nodes, port, tmp_path / f"node{n}.txt") for n in range(nodes)]
     try:
         wait_for_step(run, 5, agents[0])
         ranks = {_rank_of(pid): pid for agent in agents for pid in worker_pids(agent.pid)}
@@ -304,4 +306,4 @@ def test_a_killed_rank_restarts_in_the_job_and_ends_bitwise(reference, tmp_path,
     assert int(resumed[0].split()[6]) in (3, 6, 9), resumed
     if victim == 0:  # the lock holder died: its lock is taken over at once, without the 15-minute wait
         assert "it was taken by an earlier attempt of this job" in text, text[-4000:]
-    _assert_equal_to(reference, run)
+    assert_equal_to(reference, run)
