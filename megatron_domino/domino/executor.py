@@ -42,18 +42,19 @@ def sequence_mark() -> int | None:
     return torch.zeros((), requires_grad=True).clone().grad_fn._sequence_nr()
 
 
-def defer_waits(wait_nodes: list, sequence_nr: int | None) -> None:
-    """Give wait nodes the backward priority of an earlier point in forward.
+def set_backward_priority(nodes: list, sequence_nr: int | None) -> None:
+    """Give autograd nodes the backward priority of another point in forward (``sequence_mark``).
 
     Autograd runs ready nodes latest-created first, so a wait created right before its linear
-    would run right after it. Lowering its sequence number lets the engine run the other
-    mu-chunks' backward while the all-reduce flies; dependencies still force the wait before
-    anything that consumes the gradient.
+    would run right after it. Domino gives its waits an earlier point's number: the engine runs
+    the other mu-chunks' backward while the all-reduce flies. Ulysses gives early-joined queries
+    a later point's: their gradient leaves when their slice's attention backward is done.
+    Dependencies still order everything that consumes a gradient.
     """
     if sequence_nr is None:
         return
-    for node in wait_nodes:
-        if hasattr(node, "_set_sequence_nr"):  # a private torch hook; without it the waits are merely earlier
+    for node in nodes:
+        if hasattr(node, "_set_sequence_nr"):  # a private torch hook; without it the order is autograd's own
             node._set_sequence_nr(sequence_nr)
 
 
@@ -119,8 +120,9 @@ def run_order(order: list[Step], blocks, inputs: list, contexts: list, *, column
     """Execute ``order``; returns each chunk's final state.
 
     ``inputs[c]``: chunk c's hidden state (unused where the order launches the embedding); ``contexts[c]``:
-    its tokens' context (``models.tokens.TokenContext``), handed to every block; ``embed(c)`` launches chunk c's embedding (something with ``finish()``);
-    ``head(x, c)`` is the output head. Each step runs in a profiler range named by ``Step.trace_name``.
+    its tokens' context (``models.tokens.TokenContext``), handed to every block; ``embed(c)`` launches chunk
+    c's embedding (something with ``finish()``); ``head(x, c)`` is the output head. Each step runs in a
+    profiler range named by ``Step.trace_name``.
     """
     chunks = len(contexts)
     state = list(inputs) + [None] * (chunks - len(inputs))
@@ -139,6 +141,6 @@ def run_order(order: list[Step], blocks, inputs: list, contexts: list, *, column
                 result = head(state[c], c)
             else:
                 result = launch_phase(blocks[step.layer], step.phase, state[c], contexts[c], column_pieces)
-            defer_waits(_gradient_waits(result, marks[-1]), marks[max(0, len(marks) - chunks)])
+            set_backward_priority(_gradient_waits(result, marks[-1]), marks[max(0, len(marks) - chunks)])
             state[c] = result
     return state

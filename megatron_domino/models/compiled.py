@@ -14,7 +14,7 @@ reduce-scatters, and Domino's launches and waits), SDPA and the CP ring, the emb
 the MoE router, dispatch (all-to-all) and experts, whose token counts change every step (static shapes would
 recompile every step). Communication therefore runs in the same order, from the same autograd nodes, as
 eagerly: a compiled region is one autograd node between two of them, so Domino's backward priorities
-(``domino.executor.defer_waits``) are unchanged.
+(``domino.executor.set_backward_priority``) are unchanged.
 
 Dropout: inductor draws its own random numbers (Philox), not eager's generator, and under SP the residual's
 dropout forks the TP RNG stream with a context manager that a graph cannot hold; so with

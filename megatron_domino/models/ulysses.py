@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..domino.executor import defer_waits, sequence_mark
+from ..domino.executor import sequence_mark, set_backward_priority
 from .ring_attention import local_positions
 
 
@@ -194,7 +194,7 @@ class QueriesInFlight:
             self.joined[i], self.launched[i] = _joined(*self.launched[i], self.orders[0]), None
         elif i in self.early:
             self.early.discard(i)
-            defer_waits(_steps_back_to_wait(self.joined[i]), sequence_mark())
+            set_backward_priority(_steps_back_to_wait(self.joined[i]), sequence_mark())
         return self.joined[i]
 
     def arrive(self) -> QueriesInFlight:
