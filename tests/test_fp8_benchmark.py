@@ -1,5 +1,5 @@
-"""benchmarks/fp8_overhead.py end to end on a tiny GPT (the plumbing: a row per mode, a quantising share that is
-zero without FP8 and positive with it)."""
+"""benchmarks/fp8_overhead.py --compile end to end on a tiny GPT (the plumbing: a row per mode, a quantising share
+that is zero without FP8 and positive with it)."""
 import json
 import subprocess
 import sys
@@ -9,18 +9,20 @@ import pytest
 from tests.training_runs import REPO, environment
 
 pytestmark = pytest.mark.slow
+MODES = ("off", "tensorwise", "delayed", "blockwise", "off+compile", "tensorwise+compile")
 
 
 def test_tiny_run_reports_every_mode(tmp_path):
     path = tmp_path / "fp8_overhead.json"
     result = subprocess.run([sys.executable, "benchmarks/fp8_overhead.py", "--hidden", "64", "--heads", "4",
                              "--layers", "2", "--seq", "64", "--vocab", "256", "--rounds", "1", "--block", "32",
-                             "--json", str(path)], cwd=REPO, env=environment(), capture_output=True, text=True,
-                            timeout=240)
+                             "--compile", "--json", str(path)],
+                            cwd=REPO, env=environment(), capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()
-            if line.split() and line.split()[0] in ("off", "tensorwise", "delayed", "blockwise")}
-    assert sorted(rows) == ["blockwise", "delayed", "off", "tensorwise"], result.stdout
-    assert rows["off"][4] == "0.0%" and all(float(rows[m][4].rstrip("%")) > 0 for m in rows if m != "off")
+            if line.split() and line.split()[0] in MODES}
+    assert sorted(rows) == sorted(MODES), result.stdout
+    assert all((rows[m][4] == "0.0%") is m.startswith("off") for m in rows), result.stdout
+    assert all(float(rows[m][4].rstrip("%")) > 0 for m in rows if not m.startswith("off"))
     record = json.loads(path.read_text())
     assert all(len(record["seconds"][mode]) == 2 for mode in rows)  # one warm-up, one timed round
