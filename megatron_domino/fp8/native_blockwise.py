@@ -40,9 +40,9 @@ def _kernel(a, b_t, scale_a, scale_b, out):
 
 
 def emulated(a, a_scale, b, b_scale) -> torch.Tensor:
-    """a @ b^T in fp32 from fp8 data and per-row tile scales: the product the kernel must match."""
+    """a @ b^T from fp8 data and per-row tile scales, in fp64 (TF32 cannot touch it): what the kernel must match."""
     def dequantized(data, scale):
-        return data.float() * scale.repeat_interleave(BLOCK, 1)[:, :data.shape[1]]
+        return data.double() * scale.repeat_interleave(BLOCK, 1)[:, :data.shape[1]]
     return dequantized(a, a_scale) @ dequantized(b, b_scale).t()
 
 
@@ -57,17 +57,19 @@ def _probe(device: torch.device) -> bool:
         scale = torch.exp2(exponents.float()).repeat_interleave(tile_rows, 0)[:rows]
         return data.to(device), scale.to(device)
 
-    a, a_scale = operand(m, 1, torch.float8_e4m3fn)
-    for tile_rows, fmt in ((BLOCK, torch.float8_e4m3fn), (1, torch.float8_e5m2)):
-        b, b_scale = operand(n, tile_rows, fmt)
-        want = emulated(a, a_scale, b, b_scale)
-        try:
-            got = _kernel(a, b.t(), *native_scales(a_scale, b_scale, tile_rows), want.new_empty(m, n))
-        except RuntimeError:
-            return False
-        # Hopper's FP8 tensor cores accumulate a block in less than fp32; a wrong layout is off by O(1)
-        if not bool(torch.linalg.vector_norm(got - want) <= 1e-3 * torch.linalg.vector_norm(want)):
-            return False
+    # the products a linear makes: x or a gradient (e4m3 or e5m2) by the weight's blocks or by x's tiles
+    for a_format in (torch.float8_e4m3fn, torch.float8_e5m2):
+        a, a_scale = operand(m, 1, a_format)
+        for tile_rows in (BLOCK, 1):
+            b, b_scale = operand(n, tile_rows, torch.float8_e4m3fn)
+            want = emulated(a, a_scale, b, b_scale).float()
+            try:
+                got = _kernel(a, b.t(), *native_scales(a_scale, b_scale, tile_rows), torch.empty_like(want))
+            except RuntimeError:
+                return False
+            # Hopper's FP8 tensor cores accumulate a block in less than fp32; a wrong layout is off by O(1)
+            if not bool(torch.linalg.vector_norm(got - want) <= 1e-3 * torch.linalg.vector_norm(want)):
+                return False
     return True
 
 
