@@ -65,3 +65,25 @@ def on_fake_cuda_side_by_side(calls: list[tuple[str, tuple]], timeout: float = 6
         for _, child in children:
             if child.poll() is None:
                 child.kill()
+
+
+def fake_fp8_modes():
+    """In the child: fake tensors, with FP8's GEMM into a buffer run as the rehearsal runs it (no fake kernel of its
+    own: ``rehearsal.kernels.scaled_mm_into``)."""
+    import contextlib
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_domino.rehearsal.kernels import scaled_mm_into
+
+    class OutForm(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._scaled_mm.out:
+                return scaled_mm_into(args, kwargs)
+            return func(*args, **(kwargs or {}))
+    modes = contextlib.ExitStack()
+    modes.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+    modes.enter_context(OutForm())
+    return modes

@@ -62,6 +62,8 @@ def test_delayed_and_blockwise_at_tp2_with_domino_and_tensorwise_at_tp2_with_sp_
     layouts = [_layout(fp8(model, recipe), cp=1, tp=2, domino=True)[0]
                for recipe in ("delayed", "blockwise") for model in (GPT, LLAMA_16, MIXTURE)]
     layouts.append(_layout(fp8(LLAMA_16, "tensorwise"), cp=1, tp=2)[0])
+    # the experts as one step (fp8/grouped.py): each projection's amaxes in one all-reduce over expert TP
+    layouts.append(_layout(fp8(replace(MIXTURE, moe_grouped_gemm=True), "tensorwise"), cp=1, tp=2)[0])
     layouts.append(_layout(fp8(GPT, "tensorwise"), cp=1, tp=2, domino=True)[0])  # against one process per μ-chunk
     layouts.append(_layout(replace(fp8(LLAMA_16, "tensorwise"), recompute="full"), cp=1, tp=2,
                            sequence_parallel=True)[0])
@@ -71,7 +73,7 @@ def test_delayed_and_blockwise_at_tp2_with_domino_and_tensorwise_at_tp2_with_sp_
 def test_every_recipe_with_zero3_expert_parallel_zb_h1_and_context_parallel():
     layouts = [_layout(fp8(GPT, recipe), cp=1, dp=2, zero_stage=3)[0]
                for recipe in ("tensorwise", "delayed", "blockwise")]
-    layouts += [_with(_layout(fp8(MIXTURE, "delayed"), cp=1, dp=2), ep=2)[0],
+    layouts += [_with(_layout(fp8(replace(MIXTURE, moe_grouped_gemm=True), "delayed"), cp=1, dp=2), ep=2)[0],
                 _with(_layout(fp8(LLAMA_16, "blockwise"), cp=1, pp=2), pipeline_schedule="zb-h1")[0],
                 _with(_layout(fp8(LLAMA_16, "tensorwise"), cp=1, pp=2, domino=False), pipeline_schedule="zb-h1")[0],
                 # CP: each rank's two chunks of 4 tokens are whole tiles of the weight gradient's token tiles

@@ -22,6 +22,7 @@ import torch
 
 from . import native_blockwise
 
+CUDA_MULTIPLE = 16  # cuBLAS's FP8 GEMM: the contraction and the second operand's columns in multiples of 16
 FORMATS = {"e4m3": getattr(torch, "float8_e4m3fn", None), "e5m2": getattr(torch, "float8_e5m2", None)}
 
 
@@ -121,7 +122,8 @@ def quantize_tensorwise(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 
 
 def _padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """``x`` with zero rows and columns added up to multiples of ``rows`` and ``cols`` (zeros change no amax)."""
+    """``x`` with zero rows and columns added up to multiples of ``rows`` and ``cols`` (zeros change no amax and
+    add nothing to a product)."""
     pad_rows, pad_cols = -x.shape[0] % rows, -x.shape[1] % cols
     return torch.nn.functional.pad(x, (0, pad_cols, 0, pad_rows)) if pad_rows or pad_cols else x
 
@@ -138,12 +140,36 @@ def quantize_tiles(x: torch.Tensor, block: int, dtype: torch.dtype, margin: int 
     return Quantized(data.contiguous(), scale.repeat_interleave(tile_rows, 0)[:rows].contiguous(), block, tile_rows)
 
 
+def _fp8_padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``_padded`` for FP8 data, through its bytes (0 is +0.0 in both formats; not every torch pads float8)."""
+    return _padded(x.view(torch.uint8), rows, cols).view(x.dtype)
+
+
+def _cuda_product(a, b, scale_a, scale_b, out_dtype, out=None) -> torch.Tensor:
+    """``torch._scaled_mm`` as CUDA's kernel takes it: the contraction and b's columns in multiples of
+    ``CUDA_MULTIPLE``, a row-major and b column-major. An expert's token count, which its weight gradient
+    contracts, is rarely one: zeros pad the contraction (they add nothing) and b's columns (sliced off)."""
+    pad_k, pad_n = -b.shape[0] % CUDA_MULTIPLE, -b.shape[1] % CUDA_MULTIPLE
+    if not (pad_k or pad_n):
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, out=out)
+    columns = b.shape[1]
+    a, b = _fp8_padded(a, 1, CUDA_MULTIPLE), _fp8_padded(b.t(), CUDA_MULTIPLE, CUDA_MULTIPLE).t()
+    if scale_b.numel() > 1:  # row-wise: [1, columns]; the zero columns' scale is any finite number
+        scale_b = torch.nn.functional.pad(scale_b, (0, pad_n), value=1.0)
+    product = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                               out=out if not pad_n else None)
+    if pad_n:
+        product = product[:, :columns]
+        return product.contiguous() if out is None else out.copy_(product)
+    return product
+
+
 def _product(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
              out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """(a x scale_a) @ (b x scale_b) in fp32, rounded to ``out_dtype`` (into ``out`` when given); ``b`` is
     [contraction, columns]."""
     if a.is_cuda:
-        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, out=out)
+        return _cuda_product(a, b, scale_a, scale_b, out_dtype, out)
     product = ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
     return product if out is None else out.copy_(product)
 

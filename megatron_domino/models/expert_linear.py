@@ -5,13 +5,14 @@ grouped form (``model.moe_grouped_gemm``) stacks the experts' weights into [E, o
 ``grouped_mm`` once; CUDA's fast kernel needs bf16 on sm90+, elsewhere torch loops inside. Its backward
 stacks the weights again instead of keeping the stack: autograd would otherwise hold a copy of every
 local expert's weights per layer and micro-batch in flight. Biases (gate-weighted partials under TP, so
-divided by tp) are added per row after the product.
+divided by tp) are added per row after the product. In FP8 the grouped form is ``fp8.grouped``'s.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from ..fp8 import grouped as fp8_grouped
 from ..fp8.linear import linear as product
 from ..parallel.device import to_device
 
@@ -39,8 +40,11 @@ class _GroupedLinear(torch.autograd.Function):
 def experts_linear(rows: torch.Tensor, sizes: list[int], linears: list, grouped: bool,
                    bias_divisor: int = 1) -> torch.Tensor:
     """Expert e's ``linears[e]`` on its ``sizes[e]`` rows, for every local expert: [n, out]. In FP8
-    (``linear.fp8``) each expert runs its own scaled GEMM: the loop, whatever ``grouped`` says."""
-    if not grouped or rows.shape[0] == 0 or linears[0].fp8 is not None:  # grouped_mm refuses an empty operand
+    (``linear.fp8``), grouped: ``fp8.grouped`` where the recipe allows, else the loop."""
+    fp8 = linears[0].fp8
+    if grouped and fp8 is not None and fp8_grouped.takes(fp8):
+        return fp8_grouped.experts_linear(rows, sizes, linears, bias_divisor)
+    if not grouped or rows.shape[0] == 0 or fp8 is not None:  # grouped_mm refuses an empty operand
         return torch.cat([product(part, linear.weight, None if linear.bias is None else linear.bias / bias_divisor,
                                   linear.fp8) for part, linear in zip(rows.split(sizes), linears)])
     # one non-blocking copy of the host counts (a plain torch.tensor(...).to(device) would block the host)

@@ -8,13 +8,21 @@ otherwise fall back to their decomposed reference, which saves more for backward
   are; memory-efficient: also fp32, K/V heads expanded to the query heads). Nothing usable raises the
   error CUDA raises ("No available kernel"), so a pinned kernel that cannot run fails here as on the GPU;
 - ``rms_norm``: CUDA's fused kernel, which saves its input and the fp32 reciprocal RMS only.
+One op has no fake kernel: ``torch._scaled_mm`` into ``out`` (FP8's GEMM). ``scaled_mm_into`` runs it as the
+plain op, whose fake kernel checks what CUDA's does (dimensions of 16, row- and column-major operands, the
+scales' shapes); the dispatch mode calls it, since a torch-function mode is off inside ``autograd.backward``.
+The FP8 kernels' probes cannot run on fake tensors: ``fp8_kernels_present`` answers them for the GPU rehearsed.
 The math kernel and everything else run as the CPU build has them (the same ops CUDA runs).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from ..fp8 import grouped_kernel, native_blockwise
 
 aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -49,6 +57,30 @@ def scaled_dot_product_attention(original, q, k, v, attn_mask=None, dropout_p=0.
                         enable_gqa=enable_gqa)
     raise RuntimeError("No available kernel. Aborting execution. (rehearsal: the enabled SDPA backends take "
                        f"none of these inputs: {q.dtype}, head dim {q.shape[-1]}, mask {attn_mask is not None})")
+
+
+@contextlib.contextmanager
+def fp8_kernels_present(devices: int):
+    """FP8's kernel probes (blockwise, grouped) multiply real numbers and read the verdict on the host, which fake
+    tensors cannot answer: the rehearsed GPU, a Hopper, is taken to have both kernels, so their shapes are
+    checked and their memory counted as the GPU would run them."""
+    probes = (native_blockwise._works, grouped_kernel._works)
+    saved = [dict(works) for works in probes]
+    for works in probes:
+        works.update({torch.device("cuda", index): True for index in range(devices)})
+    try:
+        yield
+    finally:
+        for works, before in zip(probes, saved):
+            works.clear()
+            works.update(before)
+
+
+def scaled_mm_into(args, kwargs):
+    """``aten._scaled_mm.out`` on fake tensors: the plain op, copied into ``out``."""
+    kwargs = dict(kwargs)
+    out = kwargs.pop("out")
+    return out.copy_(aten._scaled_mm.default(*args, **kwargs))
 
 
 class FusedRMSNorm(torch.autograd.Function):
