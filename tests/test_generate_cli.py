@@ -43,6 +43,7 @@ def test_greedy_at_tp2_equals_transformers(name, tmp_path):
     assert generated_ids(native, 2, "--max-new-tokens", "10") == hf_greedy(hf_model, PROMPT, 10)
 
 
+@pytest.mark.slow
 def test_greedy_at_tp1_from_tp2_pp2_and_a_sample_at_tp2_as_at_tp1(tmp_path):
     """One process from a tp 2 × pp 2 checkpoint; then sampling at tp 2 (rank 0 samples, every rank takes its
     token) draws what one process draws from the same seed: the logits agree to far below a draw's margin."""

@@ -58,6 +58,7 @@ def _check_samples(run_dir: str, data: str, steps: int, tokens: int) -> None:
     assert last == {prompt: _greedy_text(checkpoints, data, prompt, tokens) for prompt in PROMPTS}
 
 
+@pytest.mark.slow
 def test_samples_in_metrics_and_tensorboard_equal_the_generate_tool(quickstart, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     run_dir = str(tmp_path / "run")

@@ -226,6 +226,7 @@ def _written_cp_comms(path):
     return picked, numbers
 
 
+@pytest.mark.slow  # 15 s each
 @pytest.mark.parametrize("name", sorted(LONG))
 def test_long_context_configs_hold_the_planners_first_choice(name):
     """The layout of each cluster, and the header's CP communication: the planner's pick, and every cp_comm the

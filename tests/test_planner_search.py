@@ -50,7 +50,8 @@ def _validator_accepts(cfg, layout: Layout) -> bool:
     # 2 experts shared out whole over tp x ep ranks: tp 2 x ep 2 and ep 4 are refused
     (MIXTRAL, 4, ["parallel.domino=true", "train.global_batch_size=8", "parallel.expert_tp=1", "model.num_experts=2"]),
     # 12 tokens: the ring's 2 * cp chunks fit cp 2, sequence parallelism's tp * cp does not at tp 4
-    (GPT, 8, ["parallel.domino=true", "train.global_batch_size=24", "model.seq_length=12"]),
+    pytest.param(GPT, 8, ["parallel.domino=true", "train.global_batch_size=24", "model.seq_length=12"],
+                 marks=pytest.mark.slow),  # 20 s: every layout of 8 ranks through the validator
 ])
 def test_the_search_keeps_exactly_the_layouts_the_validator_accepts(path, world, overrides):
     """Every (tp, cp, pp, dp, v, schedule, micro batch, TP mode, ZeRO, ep, CP comm) of ``world`` ranks: the
