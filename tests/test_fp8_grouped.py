@@ -2,10 +2,11 @@
 with one amax all-reduce per projection instead of one per expert and operand, and CUDA's grouped GEMM fed the
 operands its fake kernel checks and the numbers its emulation gives.
 
-- The loop and the grouped step on the same rows (uneven experts, one empty), with biases: y, dx, every dW and db
-  equal, for tensorwise and delayed scaling and both gradient formats.
-- Under expert TP 2 (all-reduce counted, as a rank sees it): the loop issues 2 per expert in fc2's forward and
-  1 per expert in fc1's backward; the grouped step 1 each.
+- A loop of one FP8 linear per expert and the one step (with and without ``moe_grouped_gemm``) on the same rows
+  (uneven experts, one empty), with biases: y, dx, every dW and db equal, for tensorwise and delayed scaling and
+  both gradient formats.
+- Under expert TP 2 (all-reduces counted, as a rank sees them): the loop issues 2 per expert in fc2's forward,
+  1 per expert in fc1's forward and 1 in its backward; the one step 1 each.
 - The grouped GEMM's path on the CPU, with a stand-in kernel that multiplies as documented: equal to the loop in
   bf16, the forward (and with e4m3 gradients the input gradient) through the kernel.
 - The probe keeps a kernel that agrees with the emulation, and neither one that misreads a scale nor a missing one.
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_domino.fp8 import grouped_kernel
+from megatron_domino.fp8.linear import linear
 from megatron_domino.fp8.scaling import GRAD, INPUT, WEIGHT, Fp8Recipe, LinearScaling
 from megatron_domino.models.expert_linear import experts_linear
 from megatron_domino.parallel import comm
@@ -39,15 +41,25 @@ def _scaling(kind, grad_format, split=(WEIGHT, INPUT)):
     return scaling
 
 
-def _run(grouped, kind, grad_format, dtype=torch.float32, seed=0, split=(WEIGHT, INPUT)):
-    """(y, dx, dWs, dbs) of four experts on SIZES rows, grouped or looped."""
+def _loop(rows, sizes, experts, bias_divisor):
+    """One FP8 linear per expert (what experts_linear ran before the one step; blockwise still does)."""
+    parts = rows.split(sizes)
+    return torch.cat([linear(part, e.weight, e.bias / bias_divisor, e.fp8) for part, e in zip(parts, experts)])
+
+
+def _run(mode, kind, grad_format, dtype=torch.float32, seed=0, split=(WEIGHT, INPUT)):
+    """(y, dx, dWs, dbs) of four experts on SIZES rows: ``mode`` "loop", "step" (the one step) or "one gemm" (the
+    one step, through the grouped kernel where it serves)."""
     gen = torch.Generator().manual_seed(seed)
     rows = (torch.randn(sum(SIZES), 48, generator=gen) * 3).to(dtype).requires_grad_()
     scaling = _scaling(kind, grad_format, split)
     experts = [_Expert(torch.nn.Parameter((torch.randn(32, 48, generator=gen) * 0.05).to(dtype)),
                        torch.nn.Parameter((torch.randn(32, generator=gen) * 0.1).to(dtype)), scaling)
                for _ in SIZES]
-    y = experts_linear(rows, SIZES, experts, grouped, bias_divisor=2)
+    if mode == "loop":
+        y = _loop(rows, SIZES, experts, 2)
+    else:
+        y = experts_linear(rows, SIZES, experts, mode == "one gemm", bias_divisor=2)
     y.backward((torch.randn(y.shape, generator=gen) * 1e-3).to(dtype))
     return y.detach(), rows.grad, [e.weight.grad for e in experts], [e.bias.grad for e in experts]
 
@@ -60,8 +72,10 @@ def _assert_equal(got, want, where):
 
 @pytest.mark.parametrize("kind", ["tensorwise", "delayed"])
 @pytest.mark.parametrize("grad_format", ["e5m2", "e4m3"])
-def test_the_grouped_step_equals_the_loop_bit_for_bit(kind, grad_format):
-    _assert_equal(_run(True, kind, grad_format), _run(False, kind, grad_format), (kind, grad_format))
+def test_the_one_step_equals_the_loop_bit_for_bit(kind, grad_format):
+    loop = _run("loop", kind, grad_format)
+    for mode in ("step", "one gemm"):
+        _assert_equal(_run(mode, kind, grad_format), loop, (kind, grad_format, mode))
 
 
 def test_one_all_reduce_per_projection_instead_of_one_per_expert(monkeypatch):
@@ -70,16 +84,16 @@ def test_one_all_reduce_per_projection_instead_of_one_per_expert(monkeypatch):
     monkeypatch.setattr(comm, "group_size", lambda group: 2)
     monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None, group=None: calls.append(tensor.numel()))
     counts = {}
-    for grouped in (False, True):
+    for mode in ("loop", "step"):
         for name, split in (("fc2", (WEIGHT, INPUT)), ("fc1", (WEIGHT, GRAD))):
             calls.clear()
-            _run(grouped, "tensorwise", "e5m2", split=split)
-            counts[grouped, name] = list(calls)
+            _run(mode, "tensorwise", "e5m2", split=split)
+            counts[mode, name] = list(calls)
     experts = len(SIZES)
-    assert counts[False, "fc2"] == [1] * (2 * experts)  # each expert: its input's and its weight's amax
-    assert counts[False, "fc1"] == [1] * (2 * experts)  # each expert: its weight's, then its output gradient's
-    assert counts[True, "fc2"] == [2 * experts]  # every input's and weight's amax at once
-    assert counts[True, "fc1"] == [experts, experts]  # the weights' in the forward, the gradients' in the backward
+    assert counts["loop", "fc2"] == [1] * (2 * experts)  # each expert: its input's and its weight's amax
+    assert counts["loop", "fc1"] == [1] * (2 * experts)  # each expert: its weight's, then its output gradient's
+    assert counts["step", "fc2"] == [2 * experts]  # every input's and weight's amax at once
+    assert counts["step", "fc1"] == [experts, experts]  # the weights' in the forward, the gradients' in the backward
 
 
 def _stand_in(calls):
@@ -99,11 +113,13 @@ def _stand_in(calls):
 
 @pytest.mark.parametrize("grad_format", ["e5m2", "e4m3"])
 def test_the_grouped_kernels_path_equals_the_loop_in_bf16(monkeypatch, grad_format):
-    want = _run(False, "tensorwise", grad_format, torch.bfloat16)
+    want = _run("loop", "tensorwise", grad_format, torch.bfloat16)
     calls = []
     monkeypatch.setattr(grouped_kernel, "works", lambda device: True)
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _stand_in(calls), raising=False)
-    _assert_equal(_run(True, "tensorwise", grad_format, torch.bfloat16), want, grad_format)
+    _assert_equal(_run("step", "tensorwise", grad_format, torch.bfloat16), want, grad_format)
+    assert calls == []  # without model.moe_grouped_gemm: one GEMM per expert
+    _assert_equal(_run("one gemm", "tensorwise", grad_format, torch.bfloat16), want, grad_format)
     # the forward; with e4m3 gradients the input gradient too (the kernel takes e4m3 only)
     assert calls == [(4, 48, 32)] + ([(4, 32, 48)] if grad_format == "e4m3" else [])
 
@@ -115,8 +131,48 @@ def test_a_refused_shape_falls_back_to_the_loop(monkeypatch):
     monkeypatch.setattr(torch, "_scaled_grouped_mm", refusing, raising=False)
     monkeypatch.setattr(grouped_kernel, "_refused", set())
     with pytest.warns(UserWarning, match="refused"):
-        got = _run(True, "tensorwise", "e5m2", torch.bfloat16)
-    _assert_equal(got, _run(False, "tensorwise", "e5m2", torch.bfloat16), "refused")
+        got = _run("one gemm", "tensorwise", "e5m2", torch.bfloat16)
+    _assert_equal(got, _run("loop", "tensorwise", "e5m2", torch.bfloat16), "refused")
+
+
+@pytest.mark.parametrize("fp8", [None, "tensorwise", "delayed"])
+def test_a_split_backward_runs_each_half_once(monkeypatch, fp8):
+    """Zero bubble's I then W (pipeline/split_backward.py) through the grouped experts, bf16's and FP8's: I makes
+    the rows' gradient only, W the weights' only, each once, and together they equal an unsplit backward."""
+    from megatron_domino.fp8 import grouped
+    from megatron_domino.models import expert_linear
+    from megatron_domino.pipeline.split_backward import backward_input, backward_weight
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(sum(SIZES), 48, generator=gen, requires_grad=True)
+    scaling = None if fp8 is None else _scaling(fp8, "e5m2")
+    experts = [_Expert(torch.nn.Parameter(torch.randn(32, 48, generator=gen) * 0.05), None, scaling) for _ in SIZES]
+    grad = torch.randn(sum(SIZES), 32, generator=gen)
+    params = [x] + [e.weight for e in experts]
+    whole = torch.autograd.grad(experts_linear(x * 2, SIZES, experts, grouped=True), params, grad)
+    products = {"rows": 0, "weights": 0}
+    if fp8 is None:
+        def counted(a, b, offs):
+            products["weights" if a.shape[0] != x.shape[0] else "rows"] += 1
+            return original(a, b, offs=offs)
+        original, module, name = expert_linear.grouped_mm, expert_linear, "grouped_mm"
+    else:
+        def counted(*args):
+            products["rows" if args[3] == 2 else "weights"] += 1  # GRAD: the input gradient's products
+            return original(*args)
+        original, module, name = grouped._products, grouped, "_products"
+        monkeypatch.setattr(scaling, "weight_grad", lambda *args: products.__setitem__(
+            "weights", products["weights"] + 1) or LinearScaling.weight_grad(scaling, *args))
+    monkeypatch.setattr(module, name, counted)
+    output = experts_linear(x * 2, SIZES, experts, grouped=True)
+    forward = dict(products)
+    input_grad, pending = backward_input(output, grad, x)
+    after_i = dict(products)
+    backward_weight(pending)
+    assert after_i["weights"] == forward["weights"] and after_i["rows"] == forward["rows"] + 1
+    assert products["rows"] == after_i["rows"] and products["weights"] > after_i["weights"]
+    assert torch.equal(input_grad, whole[0])
+    for expert, want in zip(experts, whole[1:]):
+        assert torch.equal(expert.weight.grad, want)
 
 
 def test_the_probe_keeps_only_a_kernel_that_runs_and_agrees(monkeypatch):

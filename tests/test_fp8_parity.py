@@ -76,6 +76,8 @@ def test_every_recipe_with_zero3_expert_parallel_zb_h1_and_context_parallel():
     layouts += [_with(_layout(fp8(replace(MIXTURE, moe_grouped_gemm=True), "delayed"), cp=1, dp=2), ep=2)[0],
                 _with(_layout(fp8(LLAMA_16, "blockwise"), cp=1, pp=2), pipeline_schedule="zb-h1")[0],
                 _with(_layout(fp8(LLAMA_16, "tensorwise"), cp=1, pp=2, domino=False), pipeline_schedule="zb-h1")[0],
+                _with(_layout(fp8(replace(MIXTURE, moe_grouped_gemm=True), "tensorwise"), cp=1, pp=2),
+                      pipeline_schedule="zb-h1")[0],
                 # CP: each rank's two chunks of 4 tokens are whole tiles of the weight gradient's token tiles
                 _layout(replace(fp8(LLAMA_16, "blockwise"), fp8_block_size=4), cp=2)[0],
                 _layout(replace(fp8(LLAMA_16, "delayed"), recompute="selective"), cp=2)[0]]

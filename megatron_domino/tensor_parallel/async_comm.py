@@ -28,11 +28,11 @@ from ..parallel import comm, turns
 
 @contextmanager
 def gradient_pass(nodes, inputs: bool, weights: bool):
-    """Within: the linear Functions among ``nodes`` (``LinearWithAsyncInputGradient``, ``fp8.linear.Fp8Linear``:
-    nodes with ``gradients``) compute input gradients only if ``inputs``, weight gradients only if ``weights``
-    (``pipeline.split_backward`` runs I and W under it). The engine skips a built-in node's unneeded outputs by
-    itself but cannot tell a Python Function which of its outputs are needed, so the mode is set on the
-    Function's own autograd node, which lives as long as it."""
+    """Within: the linear Functions among ``nodes`` (``LinearWithAsyncInputGradient``, ``fp8.linear.Fp8Linear``,
+    the grouped experts': nodes with ``gradients``) compute input gradients only if ``inputs``, weight gradients
+    only if ``weights`` (``pipeline.split_backward`` runs I and W under it). The engine skips a built-in node's
+    unneeded outputs by itself but cannot tell a Python Function which of its outputs are needed, so the mode is
+    set on the Function's own autograd node, which lives as long as it."""
     linears = [node for node in nodes if hasattr(node, "gradients")]
     saved = [node.gradients for node in linears]
     for node in linears:
