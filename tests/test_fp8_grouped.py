@@ -122,6 +122,11 @@ def test_the_grouped_kernels_path_equals_the_loop_in_bf16(monkeypatch, grad_form
     _assert_equal(_run("one gemm", "tensorwise", grad_format, torch.bfloat16), want, grad_format)
     # the forward; with e4m3 gradients the input gradient too (the kernel takes e4m3 only)
     assert calls == [(4, 48, 32)] + ([(4, 32, 48)] if grad_format == "e4m3" else [])
+    # a rank whose experts got no rows (capacity drops under EP) loops: the kernel would refuse an empty operand
+    scaling = _scaling("tensorwise", grad_format)
+    empty = torch.zeros(0, 48, dtype=torch.bfloat16)
+    experts = [_Expert(torch.zeros(32, 48, dtype=torch.bfloat16), None, scaling) for _ in SIZES]
+    assert experts_linear(empty, [0] * len(SIZES), experts, True).shape == (0, 32) and len(calls) <= 2
 
 
 def test_a_refused_shape_falls_back_to_the_loop(monkeypatch):

@@ -2,9 +2,9 @@
 
 A loop of one FP8 linear per expert would, with tensorwise scaling under expert TP, ask for each expert's own
 amax all-reduces: two per expert in fc2's forward, one in fc1's forward and one in its backward, each on the
-critical path of a GEMM. Here every expert keeps the scales the loop gives it (its own amaxes, reduced with MAX where the
-tensor is split, which is exact; delayed: the history's), so the numbers are the loop's bit for bit, but one
-all-reduce carries all of a projection's amaxes (forward: inputs and weights; backward: output gradients).
+critical path of a GEMM. Here every expert keeps the scales the loop gives it (its own amaxes, reduced with MAX
+where the tensor is split, which is exact; delayed: the history's), so the numbers are the loop's bit for bit,
+but one all-reduce carries all of a projection's amaxes (forward: inputs and weights; backward: the gradients).
 
 With ``model.moe_grouped_gemm`` on CUDA, where the model computes in bf16 and both operands are e4m3, the
 experts' products run as one grouped GEMM (``torch._scaled_grouped_mm``: row-wise scales, bf16 output; Hopper):
@@ -60,7 +60,8 @@ def _products(scaling, rows, sizes, operand, scales, weights, weight_scales, tra
     GEMM per expert."""
     recipe, cast, out_dtype = scaling.recipe, scaling.kernels.cast, rows.dtype
     oriented = [w.t() if transposed else w for w in weights]
-    if one_gemm and grouped_kernel.takes(out_dtype, rows.device, recipe.dtype(operand), recipe.dtype(WEIGHT)):
+    formats = recipe.dtype(operand), recipe.dtype(WEIGHT)
+    if one_gemm and len(rows) and grouped_kernel.takes(out_dtype, rows.device, *formats):  # no rows: the loop
         counts, ends = _ends(sizes, rows.device)
         row_scales = scales.repeat_interleave(counts, output_size=len(rows))
         b = torch.stack([cast(w.detach(), s, E4M3) for w, s in zip(oriented, weight_scales)])

@@ -87,9 +87,9 @@ def _own_copy(function: Callable) -> Callable:
 
 class CompiledKernels:
     """The same functions through torch.compile (dynamic shapes: every linear's differ), a compiled copy per FP8
-    format and tile height. Dynamo guards on each (and on the layout: rows or a transposed view; and the storage
-    offset: 0 or a piece's), so one copy for all would pass its limit of 8 graphs. Inputs come detached: a
-    Parameter, or requires_grad, would be a graph of its own too."""
+    format, tile height and scale rank. Dynamo guards on each (and on the layout: rows or a transposed view; and
+    the storage offset: 0 or a piece's), so one copy for all would pass its limit of 8 graphs. Inputs come
+    detached: a Parameter, or requires_grad, would be a graph of its own too."""
 
     def __init__(self):
         self.copies: dict[tuple, tuple[Callable, Callable]] = {}  # key -> (the copy, its compiled form)
@@ -103,8 +103,8 @@ class CompiledKernels:
     def amax(self, x):
         return self._compiled(_amax)(x)
 
-    def cast(self, x, scale, dtype):
-        return self._compiled(_cast, dtype)(x, scale, dtype)
+    def cast(self, x, scale, dtype):  # a scale per tensor, or per row (the experts' one step: fp8/grouped.py)
+        return self._compiled(_cast, dtype, scale.dim())(x, scale, dtype)
 
     def tile_cast(self, tiles, dtype, margin, power_of_two):
         return self._compiled(_tile_cast, dtype, tiles.shape[1])(tiles, dtype, margin, power_of_two)
