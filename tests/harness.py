@@ -18,11 +18,12 @@ from megatron_domino.parallel.launch import free_port
 _CONTEXT = None
 
 
-def _context():
+def fork_context():
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
         _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "megatron_domino.training.trainer",
+                                         "megatron_domino.training.cli",
                                          "megatron_domino.models.stage_chunks", "megatron_domino.pipeline.engine"])
     return _CONTEXT
 
@@ -52,7 +53,7 @@ class RankFailure(AssertionError):
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, env: dict | None = None) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results."""
-    ctx = _context()
+    ctx = fork_context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, results, args, env or {}), daemon=True)
@@ -78,11 +79,11 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, env: dict | No
                 raise RankFailure(f"rank {rank} failed:\n{value}")
             values[rank] = value
     finally:
-        _kill(procs)
+        stop(procs)
     return [values[r] for r in range(world_size)]
 
 
-def _kill(procs) -> None:
+def stop(procs) -> None:
     for p in procs:
         if p.is_alive():
             p.terminate()

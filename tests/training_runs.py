@@ -1,4 +1,4 @@
-"""Launching real training runs from tests: a bare process or torchrun, with a hard timeout."""
+"""Launching real training runs from tests: forked ranks, bare processes or torchrun, with a hard timeout."""
 from __future__ import annotations
 
 import json
@@ -37,11 +37,15 @@ def environment() -> dict:
     return dict(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-def train(family: str, nproc: int, run_dir: str, overrides: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    result = subprocess.run(command(family, nproc, run_dir, overrides), cwd=REPO, env=environment(),
-                            capture_output=True, text=True, timeout=timeout)
+def train(family: str, nproc: int, run_dir: str, overrides: list[str],
+          timeout: float = 240) -> subprocess.CompletedProcess:
+    """A whole run that must succeed, its ranks forked from a preloaded server (tests/forked_ranks.py says why and
+    what stays on torchrun); its output joined in rank order."""
+    from tests.forked_ranks import run
+    result = run(command(family, 1, run_dir, overrides)[1:], nproc, environment(), REPO, timeout)
     if result.returncode != 0:
-        raise AssertionError(f"training failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+        raise AssertionError(f"training failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-6000:]}")
     return result
 
 
