@@ -178,10 +178,10 @@ def test_blockwise_fp8_runs_in_one_cublas_call_on_hopper_and_equals_the_loop():
     g = torch.randn(1024, 1536, device=device, generator=gen, dtype=torch.bfloat16) * 1e-3
     results = []
     for native in (False, True):
-        native_blockwise._works[device] = native
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = linear(xs, ws, None, LinearScaling(Fp8Recipe("blockwise", block=128), (), None))
-        y.backward(g)
+        with native_blockwise.KERNEL.assumed(native, [device]):
+            y = linear(xs, ws, None, LinearScaling(Fp8Recipe("blockwise", block=128), (), None))
+            y.backward(g)
         results.append((y.float(), xs.grad.float(), ws.grad.float()))
     for loop, one_call in zip(*results):
         assert torch.linalg.vector_norm(one_call - loop) <= 2e-3 * torch.linalg.vector_norm(loop)

@@ -27,8 +27,8 @@ def _linears_on_fake_cuda():
     from megatron_domino.fp8.scaling import Fp8Recipe, LinearScaling
     from tests.fake_cuda import fake_fp8_modes
     shapes = []
-    with fake_fp8_modes():
-        native_blockwise._works[torch.device("cuda", 0)] = True  # the probe reads values: fake tensors have none
+    # the probe reads values: fake tensors have none
+    with fake_fp8_modes(), native_blockwise.KERNEL.assumed(True, [torch.device("cuda", 0)]):
         for kind in ("tensorwise", "delayed", "blockwise"):
             for tokens in (7, 130):
                 scaling = LinearScaling(Fp8Recipe(kind), (), None, device="cuda")

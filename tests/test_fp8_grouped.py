@@ -205,8 +205,8 @@ def _grouped_on_fake_cuda():
     kernel, calls = grouped_kernel._kernel, []
     grouped_kernel._kernel = lambda *operands: calls.append(operands[2].shape[1]) or kernel(*operands)
     shapes = []
-    with fake_fp8_modes():
-        grouped_kernel._works[torch.device("cuda", 0)] = True  # the probe reads values: fake tensors have none
+    # the probe reads values: fake tensors have none
+    with fake_fp8_modes(), grouped_kernel.KERNEL.assumed(True, [torch.device("cuda", 0)]):
         for grad_format in ("e4m3", "e5m2"):
             scaling = LinearScaling(Fp8Recipe("tensorwise", grad_format=grad_format), (WEIGHT,), None)
             rows = torch.randn(156, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)

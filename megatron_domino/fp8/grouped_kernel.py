@@ -4,8 +4,8 @@ One call multiplies every expert's rows by its weight: the first operand [n, K] 
 (each expert's rows carry their expert's scale), the weights [E, K, N] column-major with one scale per column
 (each expert's columns its expert's), groups ending at ``offs`` (int32, cumulative), a bf16 result. Torch has it
 for e4m3 operands on Hopper (sm90) and later. Whether this torch on this GPU runs it and agrees with an fp64
-emulation is learnt once per device (``works``); a call it refuses later falls back to the loop, with a warning,
-once per weight shape.
+emulation is learnt once per device (``works``, fp8/probed_kernel.py); a call it refuses later falls back to the
+loop, with a warning, once per weight shape.
 """
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ import warnings
 
 import torch
 
-from ..parallel.device import cuda
+from .probed_kernel import ProbedKernel
 
 E4M3 = getattr(torch, "float8_e4m3fn", None)
-_works: dict[torch.device, bool] = {}
 _refused: set[tuple] = set()
 
 
@@ -52,15 +51,12 @@ def _probe(device: torch.device) -> bool:
     return bool(torch.linalg.vector_norm(got - want) <= 1e-2 * torch.linalg.vector_norm(want))
 
 
+KERNEL = ProbedKernel(_probe, "FP8 experts: the grouped FP8 GEMM is missing or disagrees, so each expert runs "
+                              "its own GEMM")
+
+
 def works(device: torch.device) -> bool:
-    if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
-        return False
-    if device not in _works:
-        _works[device] = _probe(device)
-        if not _works[device]:
-            warnings.warn(f"FP8 experts on {cuda.get_device_name(device)} (torch {torch.__version__}): the grouped "
-                          "FP8 GEMM is missing or disagrees, so each expert runs its own GEMM", stacklevel=2)
-    return _works[device]
+    return hasattr(torch, "_scaled_grouped_mm") and KERNEL.works(device)
 
 
 def takes(out_dtype: torch.dtype, device: torch.device, a_format, b_format) -> bool:

@@ -10,9 +10,9 @@ from the scales' shapes and strides (ATen's ``is_blockwise_1x128_scaling`` and `
 - the second operand, given as mat2 = b^T of a row-major b [N, K]: the transpose of the scales that rule b's
   rows, so 128 x 128 blocks [N/128, K/128] row-major, or 1 x 128 tiles [N, K/128] N-major.
 
-Whether this torch on this GPU does it is learnt once per device (``works``): the four kinds of product a linear
-makes, small, through the kernel and emulated; the kernel is used only when it runs and agrees within 1e-3. A
-shape it refuses later falls back to the loop, with a warning, once per shape.
+Whether this torch on this GPU does it is learnt once per device (``works``, fp8/probed_kernel.py): the four
+kinds of product a linear makes, small, through the kernel and emulated; the kernel is used only when it runs and
+agrees within 1e-3. A shape it refuses later falls back to the loop, with a warning, once per shape.
 """
 from __future__ import annotations
 
@@ -20,10 +20,9 @@ import warnings
 
 import torch
 
-from ..parallel.device import cuda
+from .probed_kernel import ProbedKernel
 
 BLOCK = 128
-_works: dict[torch.device, bool] = {}
 _refused: set[tuple] = set()
 
 
@@ -73,16 +72,10 @@ def _probe(device: torch.device) -> bool:
     return True
 
 
-def works(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    if device not in _works:
-        _works[device] = _probe(device)
-        if not _works[device]:
-            warnings.warn(f"blockwise FP8 on {cuda.get_device_name(device)} (torch {torch.__version__}): "
-                          "cuBLAS's blockwise kernel is missing or disagrees, so each product runs one GEMM per "
-                          "128-wide column of tiles (slow); CUDA 12.9+ on a Hopper GPU has the kernel", stacklevel=2)
-    return _works[device]
+KERNEL = ProbedKernel(_probe, "blockwise FP8: cuBLAS's blockwise kernel is missing or disagrees, so each product "
+                              "runs one GEMM per 128-wide column of tiles (slow); CUDA 12.9+ on a Hopper GPU has "
+                              "the kernel")
+works = KERNEL.works
 
 
 def product(a, a_scale, b, b_scale, b_tile_rows: int, out: torch.Tensor) -> torch.Tensor | None:

@@ -64,16 +64,10 @@ def fp8_kernels_present(devices: int):
     """FP8's kernel probes (blockwise, grouped) multiply real numbers and read the verdict on the host, which fake
     tensors cannot answer: the rehearsed GPU, a Hopper, is taken to have both kernels, so their shapes are
     checked and their memory counted as the GPU would run them."""
-    probes = (native_blockwise._works, grouped_kernel._works)
-    saved = [dict(works) for works in probes]
-    for works in probes:
-        works.update({torch.device("cuda", index): True for index in range(devices)})
-    try:
+    with contextlib.ExitStack() as stack:
+        for kernel in (native_blockwise.KERNEL, grouped_kernel.KERNEL):
+            stack.enter_context(kernel.assumed(True, [torch.device("cuda", index) for index in range(devices)]))
         yield
-    finally:
-        for works, before in zip(probes, saved):
-            works.clear()
-            works.update(before)
 
 
 def scaled_mm_into(args, kwargs):
