@@ -20,9 +20,14 @@ COMMON = ["data.mock=true", "tokenizer.type=NullTokenizer", "tokenizer.model=nul
           "parallel.strict_transport=true"]
 
 
-def command(family: str, nproc: int, run_dir: str, overrides: list[str]) -> list[str]:
-    args = [os.path.join(REPO, ENTRY[family]), "--config", os.path.join(REPO, TINY[family]), *COMMON,
+def script_args(family: str, run_dir: str, overrides: list[str]) -> list[str]:
+    """The entry script and its arguments: what follows ``python`` or torchrun's options."""
+    return [os.path.join(REPO, ENTRY[family]), "--config", os.path.join(REPO, TINY[family]), *COMMON,
             f"log.dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints", *overrides]
+
+
+def command(family: str, nproc: int, run_dir: str, overrides: list[str]) -> list[str]:
+    args = script_args(family, run_dir, overrides)
     if nproc == 1:
         return [sys.executable, *args]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
@@ -42,7 +47,7 @@ def train(family: str, nproc: int, run_dir: str, overrides: list[str],
     """A whole run that must succeed, its ranks forked from a preloaded server (tests/forked_ranks.py says why and
     what stays on torchrun); its output joined in rank order."""
     from tests.forked_ranks import run
-    result = run(command(family, 1, run_dir, overrides)[1:], nproc, environment(), REPO, timeout)
+    result = run(script_args(family, run_dir, overrides), nproc, environment(), REPO, timeout)
     if result.returncode != 0:
         raise AssertionError(f"training failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
                              f"{result.stderr[-6000:]}")
