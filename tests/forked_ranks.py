@@ -8,7 +8,8 @@ slurm's srun takes). Its stdout and stderr go to files that come back joined in 
 first rank to fail ends the others, and the run's status is that rank's.
 
 What torchrun's agent adds (its store, in-job restarts, signals to the group) stays tested with torchrun itself:
-``training_runs.start`` and tests/test_restart.py, tests/test_failures.py and the quick start use it."""
+``training_runs.start`` (killed ranks, signals), tests/test_restart.py and the quick start use it; and
+``training_runs.start_ranks`` starts interpreters of their own, as srun does (tests/test_failures.py)."""
 from __future__ import annotations
 
 import atexit

@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent("""
         f.write(str(os.getpid()))
     atexit.register(lambda: open(os.path.join(sys.argv[1], f"exited{rank}"), "w").close())
     print(f"out {rank} {os.environ.get('WORLD_SIZE')} {os.environ.get('LOCAL_RANK')} {os.getcwd()} "
-          f"{torch.get_num_threads()} {os.environ.get('STRAY', 'unset')} {sys.argv[2:]}")
+          f"{torch.get_num_threads()} {os.environ.get('HANDED')} {os.environ.get('PATH', 'unset')} {sys.argv[2:]}")
     print(f"err {rank}", file=sys.stderr)
     if __name__ == "__main__" and rank == int(sys.argv[2]):
         sys.exit(int(sys.argv[3]))
@@ -27,15 +27,11 @@ SCRIPT = textwrap.dedent("""
 
 
 def _launch(tmp_path, nproc, failing=-9, status=0, hanging=-9, timeout=60.0):
+    """The environment handed over lacks PATH, which the forkserver has: a rank sees only what it was given."""
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
-    os.environ["STRAY"] = "from pytest"  # not in the environment handed over: a rank must not see it
-    try:
-        env = {k: v for k, v in os.environ.items() if k != "STRAY"}
-        return run([str(script), str(tmp_path), str(failing), str(status), str(hanging)], nproc,
-                   dict(env, OMP_NUM_THREADS="1"), str(tmp_path), timeout)
-    finally:
-        del os.environ["STRAY"]
+    return run([str(script), str(tmp_path), str(failing), str(status), str(hanging)], nproc,
+               {"OMP_NUM_THREADS": "1", "HANDED": "over"}, str(tmp_path), timeout)
 
 
 def _none_alive(tmp_path):
@@ -52,7 +48,8 @@ def _none_alive(tmp_path):
 def test_every_rank_runs_the_script_as_main_and_its_output_comes_back_in_rank_order(tmp_path):
     result = _launch(tmp_path, 3)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == [f"out {r} 3 {r} {tmp_path} 1 unset ['-9', '0', '-9']" for r in range(3)]
+    assert result.stdout.splitlines() == [f"out {r} 3 {r} {tmp_path} 1 over unset ['-9', '0', '-9']"
+                                        for r in range(3)]
     assert result.stderr.splitlines() == [f"err {r}" for r in range(3)]
     assert sorted(os.listdir(tmp_path)) == sorted(["script.py", *(f"{k}{r}" for k in ("pid", "exited")
                                                                    for r in range(3))])
