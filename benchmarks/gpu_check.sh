@@ -10,7 +10,8 @@
 #      could not match an H200's torch 2.11.0+cu130 to the pin). What is still missing skips its step, with why;
 #   2. unit-tests: tests/test_cuda.py on CUDA + NCCL at world size 1: tiny GPT and Llama training through the
 #      entry points (bf16, Domino on, flash attention pinned), checkpoint save and bitwise resume, flash kernel,
-#      a worker killed under torchrun --max-restarts=1 on NCCL, blockwise FP8 in one cuBLAS call;
+#      a worker killed under torchrun --max-restarts=1 on NCCL, blockwise FP8 in one cuBLAS call; and the timed
+#      group's link kernel (an operation lasts its modelled time, its wait leaves the host free);
 #   3. train: GPT-1.3B, bf16, TP1, 30 steps with model.attention_backend=flash (a non-flash attention call
 #      raises) and log.sync_debug=true (a host sync in a steady-state step raises). If the sync check fails,
 #      train-unchecked repeats the run without it, so the table still gets our numbers (the check stays FAILED);
@@ -19,7 +20,14 @@
 #      and model.fp8=blockwise (no megatron-core rows: its FP8 needs Transformer Engine);
 #   4. megatron-core: benchmarks/megatron_core_gpt.py, megatron-core's GPTModel (local layer spec) of the same
 #      shape, batch, data, FLOP formula and timing;
-#   5. domino-parity: Domino on CUDA gives sync TP's loss and gradients: 2 ranks (gloo on one GPU).
+#   5. domino-parity: Domino on CUDA gives sync TP's loss and gradients: 2 ranks (gloo on one GPU);
+#   6. one GPU plays one rank of a cluster job, its collectives timed on modelled links (rehearsal/timed_group.py):
+#      rehearse-timed, rank 0 of Llama-3-70B at its 64 GPUs (tp 8 x pp 8, NVLink 4 + IB NDR) for real: step, MFU,
+#      exposed communication per group, peak memory beside the planner's (and the fake rehearsal's, given
+#      FAKE_JSON: tools/rehearse.py's --json of that role, made on any CPU), the job's predicted step beside the
+#      planner's; domino-timed, Domino's modes against sync TP, the no-communication bound and megatron-core's
+#      GPT at tp 8 on Llama-3-70B and GPT-3 175B slices (SP off and on), and domino-timed-ib, tp 8 across two
+#      nodes (benchmarks/domino_timed.py).
 # The table, printed last under the PASSED / FAILED line, compares ours (and its variants) with megatron-core:
 # tokens/s, TFLOP/s, MFU (against the H200's dense bf16 peak, 989 TFLOP/s), peak GiB and the loss at the last
 # step; step times are medians over the log.interval-step windows that end after the warm-up steps, each
@@ -30,12 +38,14 @@
 #   MCORE_WHEELS=wheels bash benchmarks/gpu_check.sh   # offline: megatron-core (and pyyaml, numpy, pytest if
 #                                           # missing) from a wheel directory; benchmarks/README.md says how
 #
-# Overridable: PYTHON (default python3, else python), CUDA_TESTS (pytest node ids), MBS / GBS (1.3B micro /
+# Overridable: PYTHON (default python3, else python), CUDA_TESTS (pytest node ids), FAKE_JSON, MBS / GBS (1.3B micro /
 # global batch), STEPS, INTERVAL (steps per timing window), PEAK_TFLOPS, SKIP (step names to leave out, e.g.
 # SKIP="domino-parity"), GPU_CHECK_OFFLINE=1 (no registry probe, no pip from an index), MCORE_WHEELS (a dir),
 # GPU_CHECK_OUT (where logs go; on the device machine GPU_CHECK_OUT=$OUT/gpu_check brings them back).
 # Time limits (s, each killed 5 s after): install 60, install-megatron-core 40, unit-tests 210, train 120,
-# train-unchecked 75, 4 x 130 for the variants, megatron-core 130, domino-parity 55: at most 1190 s of steps,
+# train-unchecked 75, 4 x 130 for the variants, megatron-core 130, domino-parity 55, rehearse-timed 180,
+# domino-timed 240, domino-timed-ib 90 (not yet run on a GPU; the sweeps they run are sized from FLOP counts to
+# under a minute of compute each, builds included): at most 1700 s of steps,
 # ~15 min with the probe and start-ups at worst; measured on an H200 (2026-12-04): train 46 s, train-compile 51 s,
 # train-fp8-tensorwise 64 s (30 steps each; blockwise ran 7.4 s a step tile by tile, hence the variants' 15
 # steps; cuBLAS's one-call blockwise kernel, fp8/native_blockwise.py, was not there yet).
@@ -50,10 +60,11 @@ DRY=${DRY:-0}
 OUT=${GPU_CHECK_OUT:-benchmarks/results/gpu_check}
 mkdir -p "$OUT"  # only this script's own files are removed (GPU_CHECK_OUT may name any folder)
 rm -rf "${OUT:?}"/{train,train-unchecked,train-compile,train-fp8-tensorwise,train-fp8-tensorwise-compile,train-fp8-blockwise,megatron-core} \
-       "$OUT"/*.log "$OUT"/{constraints.txt,found.sh,table.txt}
+       "$OUT"/*.log "$OUT"/{constraints.txt,found.sh,table.txt,rehearse-timed.json,domino-timed.json,domino-timed-ib.json}
 PY=${PYTHON:-$(command -v python3 >/dev/null 2>&1 && echo python3 || echo python)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # megatron_domino from this checkout, installed or not
-CUDA_TESTS=${CUDA_TESTS:-tests/test_cuda.py}
+CUDA_TESTS=${CUDA_TESTS:-tests/test_cuda.py
+  tests/test_timed_group.py::test_on_a_gpu_an_operation_lasts_its_modelled_time_and_its_wait_leaves_the_host_free}
 PEAK_TFLOPS=${PEAK_TFLOPS:-989}
 SKIP=${SKIP:-}
 MCORE_WHEELS=${MCORE_WHEELS:-}
@@ -63,11 +74,21 @@ if [ "$DRY" = 1 ]; then
   STEPS=${STEPS:-6}; WARMUP=2; INTERVAL=${INTERVAL:-2}
   TRAIN=(--config configs/tiny/gpt.yaml train.micro_batch_size=2 train.global_batch_size=4 train.bf16=true)
   PARITY=(--device cpu --hidden 64 --heads 4 --seq 32)
+  TIMED=(--config configs/tiny/gpt.yaml --world-size 8 --device cpu --ranks 0,4 --steps 2 parallel.tp=2 parallel.pp=2)
+  DOMINO_TIMED=(--device cpu --models cpu --tp 2 --layers 1 --steps 1 --warmup 1 --modes sync,row-inter,nocomm
+                model.hidden_size=64 model.num_attention_heads=4 model.ffn_hidden_size=128 model.seq_length=32
+                model.max_position_embeddings=32)
+  DOMINO_TIMED_IB=("${DOMINO_TIMED[@]}")
+  DOMINO_TIMED=("${DOMINO_TIMED[@]/sync,row-inter,nocomm/sync,row-inter,nocomm,megatron-core}")
   echo "gpu_check: DRY run on the CPU (tiny model, $STEPS steps), $PY"
 else
   STEPS=${STEPS:-30}; WARMUP=5; INTERVAL=${INTERVAL:-5}
   TRAIN=(--config configs/gpt/1.3b.yaml train.micro_batch_size="${MBS:-4}" train.global_batch_size="${GBS:-16}")
   PARITY=(--device cuda --hidden 1024 --heads 16 --seq 512)
+  TIMED=(--config configs/llama/llama3-70b.yaml --world-size 64 --device cuda --ranks 0 --steps 3)
+  DOMINO_TIMED=(--device cuda --models llama3-70b,gpt3-175b --tp 8 --sp off,on --steps 5 --warmup 2)
+  DOMINO_TIMED_IB=(--device cuda --models llama3-70b --tp 8 --nodes 2 --sp on --steps 5 --warmup 2
+                   --modes sync,row-inter,column,2d,nocomm)
   export CUDA_DEVICE_MAX_CONNECTIONS=1
   timeout 10 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 fi
@@ -259,6 +280,14 @@ step megatron-core 130 "$PY" benchmarks/megatron_core_gpt.py "${TRAIN[@]}" "${CO
 step domino-parity 55 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
   benchmarks/domino_parity.py "${PARITY[@]}" || true
 
+# ---- 6. one GPU as one rank of a cluster job, on timed links: the rank's step, and Domino against its peers
+step rehearse-timed 180 "$PY" tools/rehearse.py "${TIMED[@]}" --link dgx-h100 --json "$OUT/rehearse-timed.json" \
+  ${FAKE_JSON:+--fake-json "$FAKE_JSON"} || true
+step domino-timed 240 "$PY" benchmarks/domino_timed.py "${DOMINO_TIMED[@]}" --link nvlink4 \
+  --json "$OUT/domino-timed.json" || true
+step domino-timed-ib 90 "$PY" benchmarks/domino_timed.py "${DOMINO_TIMED_IB[@]}" --link dgx-h100 --nodes 2 \
+  --json "$OUT/domino-timed-ib.json" || true
+
 # ---- the summary; the verdict line and the table come last
 echo
 echo "== summary"
@@ -271,6 +300,9 @@ case "$SYNC_CHECK$DRY" in
   *)       echo "host syncs / flash: unknown, the GPT-1.3B run failed otherwise (see $OUT/train.log)" ;;
 esac
 [ -f "$OUT/domino-parity.log" ] && sed -n '/^Domino parity/,$p' "$OUT/domino-parity.log"
+for timed in rehearse-timed domino-timed domino-timed-ib; do  # their tables, as the tools printed them
+  [ -f "$OUT/$timed.log" ] && { echo "-- $timed"; grep -v -i "warn" "$OUT/$timed.log" | tail -n 16; }
+done
 "$PY" - "$OURS" "$OUT/megatron-core.log" "$WARMUP" "$OUT/table.txt" "$OUT" <<'EOF' || status=1
 """The table (into a file, printed last): our run's metrics.jsonl and megatron-core's JSON line, reduced alike."""
 import json, os, statistics, sys

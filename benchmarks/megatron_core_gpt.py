@@ -63,19 +63,24 @@ def parse_args(argv=None):
     return parser.parse_intermixed_args(argv)
 
 
-def check_expressible(cfg) -> None:
-    """megatron-core's local GPT spec is compared only on the architecture both describe the same way."""
+def expressible(cfg, tp_allowed: bool = False) -> str | None:
+    """Why megatron-core's local GPT spec cannot run ``cfg`` as ours does (None: it can). It is compared only on
+    the architecture both describe the same way; at tp = pp = 1 as a script, any tp under the timed group
+    (benchmarks/domino_timed.py)."""
     m, wanted = cfg.model, {"position_embedding": "learned", "norm": "layernorm", "activation": "gelu",
                             "tie_embeddings": True, "bias": True, "recompute": "none"}
     wrong = {k: getattr(m, k) for k, v in wanted.items() if getattr(m, k) != v}
-    if wrong or m.query_groups != m.num_attention_heads or cfg.train.fp16 or cfg.parallel.tp * cfg.parallel.pp != 1:
-        sys.exit(f"megatron_core_gpt.py compares a GPT at tp = pp = 1 in bf16 or fp32 ({wanted}); got {wrong}")
+    layout_ok = cfg.parallel.pp == 1 and (tp_allowed or cfg.parallel.tp == 1)
+    if wrong or m.query_groups != m.num_attention_heads or cfg.train.fp16 or not layout_ok:
+        return f"megatron_core_gpt.py compares a GPT at tp = pp = 1 in bf16 or fp32 ({wanted}); got {wrong}"
+    return None
 
 
 def transformer_config(cfg, on_gpu: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
-    m = cfg.model
+    m, par = cfg.model, cfg.parallel
     return TransformerConfig(
+        tensor_model_parallel_size=par.tp, sequence_parallel=par.sequence_parallel and par.tp > 1,
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         ffn_hidden_size=m.ffn_size, kv_channels=m.head_dim, attention_dropout=m.attention_dropout,
         hidden_dropout=m.hidden_dropout, normalization="LayerNorm", layernorm_epsilon=m.norm_eps,
@@ -93,13 +98,14 @@ class _CPUScoreBuffer:
 
 
 def build(cfg, device):
-    """(model, optimizer, parameter count) of megatron-core's GPT on ``device``."""
+    """(model, optimizer, parameter count) of megatron-core's GPT on ``device``, this rank's share at cfg's tp (its
+    process group started already: NCCL, or benchmarks/domino_timed.py's timed group)."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
     on_gpu = device.type == "cuda"
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(cfg.parallel.tp, 1, create_gloo_process_groups=False)
     torch.manual_seed(cfg.train.seed)
     if on_gpu:
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
@@ -109,11 +115,11 @@ def build(cfg, device):
         parallel_state.get_global_memory_buffer = lambda: scores
     config = transformer_config(cfg, on_gpu)
     m = cfg.model
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=m.padded_vocab_size(1),
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=m.padded_vocab_size(cfg.parallel.tp),
                      max_sequence_length=m.max_positions, share_embeddings_and_output_weights=True,
                      position_embedding_type="learned_absolute")
     parameters = sum(p.numel() for p in model.parameters())
-    if parameters != count_parameters(m, tp=1, padded_vocab=True):
+    if cfg.parallel.tp == 1 and parameters != count_parameters(m, tp=1, padded_vocab=True):
         sys.exit(f"megatron-core's GPT has {parameters:,} parameters, ours "
                  f"{count_parameters(m, tp=1, padded_vocab=True):,}: not the same model")
     if cfg.train.bf16:
@@ -207,7 +213,8 @@ def main(argv=None) -> int:
         validate_config(cfg, world_size=1, check_paths=not cfg.data.mock)
     except ConfigError as error:
         sys.exit(f"config error: {error}")
-    check_expressible(cfg)
+    if expressible(cfg):
+        sys.exit(expressible(cfg))
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     import megatron.core
     device = init_distributed("nccl" if torch.cuda.is_available() else "gloo", cfg.parallel.timeout_s)

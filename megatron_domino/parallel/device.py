@@ -50,8 +50,8 @@ class CudaRuntime:
         """Tell the allocator ``tensor`` is in use on ``stream`` too (torch's ``Tensor.record_stream``)."""
         tensor.record_stream(stream)
 
-    def Event(self):  # noqa: N802 - torch.cuda's name
-        return torch.cuda.Event()
+    def Event(self, enable_timing: bool = False):  # noqa: N802 - torch.cuda's name
+        return torch.cuda.Event(enable_timing=enable_timing)
 
     def get_rng_state(self, device) -> torch.Tensor:
         return torch.cuda.get_rng_state(device)
@@ -67,6 +67,13 @@ class CudaRuntime:
 
     def max_memory_allocated(self, device) -> int:
         return torch.cuda.max_memory_allocated(device)
+
+    def reset_peak_memory_stats(self, device) -> None:
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def mem_get_info(self, device) -> tuple[int, int]:
+        """(free, total) bytes of ``device`` as the driver reports them."""
+        return torch.cuda.mem_get_info(device)
 
     def get_device_name(self, device) -> str:
         return torch.cuda.get_device_name(device)
@@ -86,6 +93,14 @@ class CudaRuntime:
 
     def dump_memory_snapshot(self, path: str) -> None:
         torch.cuda.memory._dump_snapshot(path)
+
+    def compile_kernel(self, source: str, name: str):
+        """A raw kernel compiled by NVRTC, called as ``kernel(grid=, block=, args=, stream=)`` (torch >= 2.8)."""
+        return torch.cuda._compile_kernel(source, name)
+
+    def sleep(self, cycles: int) -> None:
+        """Keep one SM of the current stream busy for ``cycles`` clock cycles (torch's test kernel)."""
+        torch.cuda._sleep(cycles)
 
 
 class _InUse:

@@ -15,6 +15,7 @@ their communication waits (``parallel.turns``) when ``overlap_units`` is set, el
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
@@ -62,6 +63,7 @@ class PipelineExecutor:
         self.current: Instruction | TransferGroup | None = None
         self.waiting: Arrival | None = None  # the receive being waited for, for hang reports
         self.position, self.length = 0, 0
+        self.step_timer: Callable | None = None  # step -> context manager around it (the timed rehearsal's)
 
     def _stage_of(self, chunk: int) -> int:
         return virtual_stage(self.stage.pp_rank, chunk, self.stage.pp, self.stage.v_shape)
@@ -83,7 +85,8 @@ class PipelineExecutor:
         self.length = len(schedule)
         for self.position, step in enumerate(schedule):
             self.current = step
-            with record_function(f"pipeline {step}"):  # a named range per instruction in profiles
+            timed = self.step_timer(step) if self.step_timer is not None else nullcontext()
+            with record_function(f"pipeline {step}"), timed:  # a named range per instruction in profiles
                 if isinstance(step, TransferGroup):
                     self._exchange(step)
                     continue

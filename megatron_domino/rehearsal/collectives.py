@@ -22,6 +22,26 @@ def _bytes(value) -> int:
     return max((t.numel() * t.element_size() for t in tensors_in(value)), default=0)
 
 
+def group_roles(state) -> dict[str, str]:
+    """Process group name -> its role in ``state`` (a ``parallel.state.ParallelState``); the world is "world"."""
+    names = {}
+    for role in GROUP_ROLES:
+        group = getattr(state, f"{role}_group", None)
+        if group is not None:
+            names.setdefault(group.group_name, role)
+    names.setdefault(dist.group.WORLD.group_name, "world")
+    return names
+
+
+def peers(state) -> tuple[set[int], set[int]]:
+    """(pipeline neighbours, context-parallel ring members) of this rank: what its transfers are for."""
+    return {state.next_pp_rank, state.prev_pp_rank} - {state.rank}, set(state.cp_ranks) - {state.rank}
+
+
+def peer_role(peer: int, pp_peers: set[int], cp_peers: set[int]) -> str:
+    return "pp" if peer in pp_peers else "cp" if peer in cp_peers else "world"
+
+
 class CollectiveCounter:
     def __init__(self):
         self.names: dict[str, str] = {}  # process group name -> role
@@ -32,13 +52,8 @@ class CollectiveCounter:
 
     def name_groups(self, state) -> None:
         """Learn the roles of ``state``'s groups (a ``parallel.state.ParallelState``)."""
-        for role in GROUP_ROLES:
-            group = getattr(state, f"{role}_group", None)
-            if group is not None and group.group_name not in self.names:
-                self.names[group.group_name] = role
-        self.pp_peers = {state.next_pp_rank, state.prev_pp_rank} - {state.rank}
-        self.cp_peers = set(state.cp_ranks) - {state.rank}
-        self.names.setdefault(dist.group.WORLD.group_name, "world")
+        self.names.update({k: v for k, v in group_roles(state).items() if k not in self.names})
+        self.pp_peers, self.cp_peers = peers(state)
 
     def count(self, func, args) -> None:
         if not self.counting:
@@ -47,8 +62,7 @@ class CollectiveCounter:
         pg = torch._C._distributed_c10d.ProcessGroup.unbox(group)
         role = self.names.get(pg.group_name, pg.group_name)
         if func in (torch.ops.c10d.send.default, torch.ops.c10d.recv_.default) and role == "world":
-            peer = args[2]
-            role = "pp" if peer in self.pp_peers else "cp" if peer in self.cp_peers else "world"
+            role = peer_role(args[2], self.pp_peers, self.cp_peers)
         entry = self.counts.setdefault(role, {"count": 0, "bytes": 0})
         entry["count"] += 1
         entry["bytes"] += max(_bytes(args[0]), _bytes(args[1]) if len(args) > 1 else 0)

@@ -22,7 +22,8 @@ _UPGRADES = {"other": ("communication", "activations"), "communication": ("activ
 
 
 class AllocationAccounting:
-    def __init__(self):
+    def __init__(self, device_type: str = "cuda"):
+        self.device_type = device_type  # the storages counted: the fake devices', or the host's in a timed run
         self._live: dict[int, list] = {}  # storage address -> [bytes, category]
         self.by_category = dict.fromkeys(CATEGORIES, 0)
         self.live_bytes = self.peak_bytes = 0
@@ -31,7 +32,7 @@ class AllocationAccounting:
     def track(self, tensors) -> None:
         """Count the storages of ``tensors`` (fake cuda tensors; others are ignored) not yet counted."""
         for tensor in tensors:
-            if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cuda":
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type != self.device_type:
                 continue
             storage = tensor.untyped_storage()
             key = storage._cdata
@@ -54,7 +55,7 @@ class AllocationAccounting:
         """Mark the storages of ``tensors`` as ``category``: always with ``force`` (ownership known from the
         trainer's objects), otherwise only where it upgrades the role (``_UPGRADES``)."""
         for tensor in tensors:
-            if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cuda":
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type != self.device_type:
                 continue
             entry = self._live.get(tensor.untyped_storage()._cdata)
             if entry is None or entry[1] == category:

@@ -91,18 +91,19 @@ def fewest_microbatches(cfg, dp: int, pp_rank: int) -> int:
     return next((count for count in range(step * -(-least // step), m, step) if peak(count) == target), m)
 
 
-def role_config(path: str, overrides: list[str], job, dp: int, pp_rank: int, microbatches="auto"):
-    """The job's config for one role: ``microbatches`` "auto" (``fewest_microbatches``), "full" or a number."""
+def role_config(path: str, overrides: list[str], job, dp: int, pp_rank: int, microbatches="auto", fixed=FIXED):
+    """The job's config for one role: ``microbatches`` "auto" (``fewest_microbatches``), "full" or a number;
+    ``fixed``: the settings every role gets whatever the config says (``FIXED``)."""
     full = job.train.num_microbatches(dp)
     count = (fewest_microbatches(job, dp, pp_rank) if microbatches == "auto" else
              full if microbatches == "full" else int(microbatches))
     if count == full:
         return job
-    return load_config(path, [*DEFAULTS, *overrides, *FIXED,
+    return load_config(path, [*DEFAULTS, *overrides, *fixed,
                               f"train.global_batch_size={count * job.train.micro_batch_size * dp}"])
 
 
-def _claim_state(memory: AllocationAccounting, trainer) -> None:
+def claim_state(memory: AllocationAccounting, trainer) -> None:
     """Weights, gradient buffers and optimizer state, by what owns them."""
     params = [p for chunk in trainer.chunks for p in chunk.parameters()]
     optimizer = trainer.optimizer
@@ -120,7 +121,7 @@ def _claim_state(memory: AllocationAccounting, trainer) -> None:
 
 
 @contextlib.contextmanager
-def _weights_resized(memory: AllocationAccounting):
+def weights_resized(memory: AllocationAccounting):
     """ZeRO-3's gathers and releases resize storages in place, which no allocation shows: count them."""
     gather, release = ShardedWeights.gather, ShardedWeights.release
 
@@ -162,15 +163,15 @@ def rehearse_rank(cfg, world_size: int, rank: int, gpu: str = "h100-80gb", job=N
     start = time.perf_counter()
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), RehearsalMode(memory, syncs, collectives), CudaKernels(), \
-                _weights_resized(memory), fp8_kernels_present(GPUS_PER_NODE):
+                weights_resized(memory), fp8_kernels_present(GPUS_PER_NODE):
             trainer = Trainer(cfg, writes_checkpoints=False, print_rank_map=False)
             try:
                 collectives.name_groups(trainer.state)
                 preemption = PreemptionHandler(trainer.device)
-                _claim_state(memory, trainer)
+                claim_state(memory, trainer)
                 runtime.step = 1
                 _step(trainer, preemption, memory)
-                _claim_state(memory, trainer)
+                claim_state(memory, trainer)
                 memory.reset_peak()
                 runtime.step, syncs.steady, collectives.counting = 2, True, True
                 _step(trainer, preemption, memory)

@@ -84,3 +84,28 @@ def markdown_rows(result: dict, config_dir: str) -> list[str]:
         rows.append(f"| {name if first else ''} | {result['world_size'] if first else ''} | {shape if first else ''} "
                     f"| pp {stage}, rank {role['rank']} | {figures[0]:.1f} | {figures[1]:.1f} | {diff:+.1f}% |")
     return rows
+
+
+def format_timed(result: dict) -> str:
+    """A timed rehearsal (``timed_rehearse``) for people: per role its step, the job's predicted step beside the
+    planner's, communication exposed (and modelled) per group, and memory beside the planner's."""
+    layout = result["layout"]
+    shape = " x ".join(f"{axis} {layout[axis]}" for axis in ("tp", "cp", "pp", "dp", "ep") if layout[axis] > 1)
+    groups = sorted({g for role in result["roles"] for g in role["comm_s"]})
+    lines = [f"{result['config']} at {result['world_size']} ranks ({shape or 'one rank'}) on {result['device']}, "
+             f"links: {result['link']}; the job's step predicted from the roles' instructions: "
+             f"{result['predicted_step_s']:.3f} s ({result['microbatches']} micro-batches)",
+             f"{'rank':>5} {'pp':>3} {'mb':>3} {'step s':>8} {'planner':>8}  "
+             + " ".join(f"{g + ' exp/all':>15}" for g in groups)
+             + f"  {'peak GiB':>9} {'planner':>8} {'diff':>6} {'fake':>6} {'MFU':>6}"]
+    for role in result["roles"]:
+        comm = " ".join(f"{role['exposed_comm_s'].get(g, 0.0):>7.3f}/{role['comm_s'].get(g, 0.0):<7.3f}"
+                        for g in groups)
+        peak, planned = role["peak_memory_gib"], role["planner_memory_gib"]
+        mfu = f"{100 * role['mfu']:5.1f}%" if role.get("mfu") is not None else "     -"
+        fake = role.get("fake_peak_memory_gib")
+        fake = f"{fake:>6.2f}" if fake is not None else "     -"
+        lines.append(f"{role['rank']:>5} {role['coords']['pp']:>3} {role['microbatches']:>3} {role['step_s']:>8.3f} "
+                     f"{role['planner_step_s']:>8.3f}  {comm}  {peak:>9.2f} {planned:>8.2f} "
+                     f"{100 * (peak / planned - 1):>+5.1f}% {fake} {mfu}")
+    return "\n".join(lines)

@@ -125,7 +125,7 @@ class RehearsalRuntime(CudaRuntime):
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         pass  # no caching allocator to tell
 
-    def Event(self):  # noqa: N802
+    def Event(self, enable_timing: bool = False):  # noqa: N802
         return FakeEvent(self)
 
     def get_rng_state(self, device) -> torch.Tensor:
