@@ -38,6 +38,9 @@ def test_dry_run_without_a_registry_installs_nothing_and_ends_with_the_table(tmp
     if "megatron-core: missing" in out:
         assert "== megatron-core: skipped (megatron-core is not installed, offline" in out, out
     assert "== unit-tests (limit" in out and "== train (limit" in out and "== domino-parity: skipped" in out
+    for timed in ("rehearse-timed", "domino-timed", "domino-timed-ib"):  # one device as one rank, timed links
+        assert f"== {timed} (limit" in out and f"-- {timed}\n" in out, out[-6000:]
+    assert "the job's step predicted from the roles' instructions" in out and "hidden (waits)" in out, out[-6000:]
 
     lines = out.rstrip("\n").splitlines()
     verdict, header, rule, ours, mcore, *variants = lines[-9:]

@@ -92,10 +92,13 @@ def format_timed(result: dict) -> str:
     layout = result["layout"]
     shape = " x ".join(f"{axis} {layout[axis]}" for axis in ("tp", "cp", "pp", "dp", "ep") if layout[axis] > 1)
     groups = sorted({g for role in result["roles"] for g in role["comm_s"]})
+    planned_step = result["roles"][0]["planner_step_s"]
     lines = [f"{result['config']} at {result['world_size']} ranks ({shape or 'one rank'}) on {result['device']}, "
-             f"links: {result['link']}; the job's step predicted from the roles' instructions: "
-             f"{result['predicted_step_s']:.3f} s ({result['microbatches']} micro-batches)",
-             f"{'rank':>5} {'pp':>3} {'mb':>3} {'step s':>8} {'planner':>8}  "
+             f"links: {result['link']}",
+             f"the job's step predicted from the roles' instructions: {result['predicted_step_s']:.3f} s "
+             f"({result['microbatches']} micro-batches); the planner's: {planned_step:.3f} s "
+             f"({100 * (result['predicted_step_s'] / planned_step - 1):+.1f}%)",
+             f"{'rank':>5} {'pp':>3} {'mb':>3} {'step s':>8}  "
              + " ".join(f"{g + ' exp/all':>15}" for g in groups)
              + f"  {'peak GiB':>9} {'planner':>8} {'diff':>6} {'fake':>6} {'MFU':>6}"]
     for role in result["roles"]:
@@ -105,7 +108,7 @@ def format_timed(result: dict) -> str:
         mfu = f"{100 * role['mfu']:5.1f}%" if role.get("mfu") is not None else "     -"
         fake = role.get("fake_peak_memory_gib")
         fake = f"{fake:>6.2f}" if fake is not None else "     -"
-        lines.append(f"{role['rank']:>5} {role['coords']['pp']:>3} {role['microbatches']:>3} {role['step_s']:>8.3f} "
-                     f"{role['planner_step_s']:>8.3f}  {comm}  {peak:>9.2f} {planned:>8.2f} "
+        lines.append(f"{role['rank']:>5} {role['coords']['pp']:>3} {role['microbatches']:>3} {role['step_s']:>8.3f}  "
+                     f"{comm}  {peak:>9.2f} {planned:>8.2f} "
                      f"{100 * (peak / planned - 1):>+5.1f}% {fake} {mfu}")
     return "\n".join(lines)
