@@ -85,7 +85,7 @@ def sections() -> list[tuple[str, type]]:
     return [(f.name, f.default_factory) for f in dataclasses.fields(schema.Config)]
 
 
-def keys() -> list[tuple[str, dataclasses.Field, str]]:
+def config_keys() -> list[tuple[str, dataclasses.Field, str]]:
     """(dotted key, field, comment) for every key of the schema, in schema order."""
     rows = []
     for section, cls in sections():
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare with the page instead of writing it")
     args = parser.parse_args(argv)
-    missing = [key for key, _, doc in keys() if not split_allowed(doc)[1]]
+    missing = [key for key, _, doc in config_keys() if not split_allowed(doc)[1]]
     if missing:
         print("config keys without a meaning (add a comment beside the field in megatron_domino/config/): "
               + ", ".join(missing), file=sys.stderr)
