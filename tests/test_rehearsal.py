@@ -1,14 +1,14 @@
 """Rehearsals on fake CUDA devices (megatron_domino/rehearsal/, tools/rehearse.py), in child processes.
 
-1. Every shipped config at the GPU count its header names (``# GPUs: N``), at full size, through the real
-   trainer: no host sync in the steady-state step beyond the README's by-design reads, every rehearsed rank's
-   peak within 10% of the planner's estimate, and inside the H100's 80 GB with the planner's fixed overhead.
-   The tests rehearse the first two and the last pipeline stage of each (``--stages outer``; the middle stages
-   differ from the second only in the micro-batches they hold in flight); ``tools/rehearse.py`` does every
-   stage by default, and the README's table comes from such runs. CI rehearses ``REPRESENTATIVE``; the sweep
+1. Every shipped config at the GPU count its header names (``# GPUs: N``), at full size, through the real trainer: no
+   host sync in the steady-state step beyond the by-design reads (docs/design/nccl-rules.md), every rehearsed rank's
+   peak within 10% of the planner's estimate, and inside the H100's 80 GB with the planner's fixed overhead. The
+   tests rehearse the first two and the last pipeline stage of each (``--stages outer``; the middle stages differ
+   from the second only in the micro-batches they hold in flight); ``tools/rehearse.py`` does every stage by default,
+   and benchmarks/reports/2026-12-04-rehearsal.md comes from such runs. CI rehearses ``REPRESENTATIVE``; the sweep
    tier (``pytest -m sweep``, tests/conftest.py) the other shipped configs.
-2. The layouts of the parity tests, tiny: zero host syncs but the by-design ones, which are found where the
-   README says (fp16's overflow check, MoE token counts, the bad-step guard).
+2. The layouts of the parity tests, tiny: zero host syncs but the by-design ones, which are found where
+   docs/design/nccl-rules.md says (fp16's overflow check, MoE token counts, the bad-step guard).
 """
 import os
 
@@ -129,7 +129,7 @@ def test_the_parity_layouts_sync_with_the_host_only_by_design():
             assert role["host_syncs"] == 0, (where, role["rank"], role["host_sync_sites"])
         expected = [path for switch, path in BY_DESIGN.items() if switch in result["overrides"]]
         sites = [site for role in result["roles"] for site in role["host_sync_sites"]]
-        for path in expected:  # the detector sees them: each is on the README's list, not missed
+        for path in expected:  # the detector sees them: each is on the docs' list, not missed
             assert any(path in site and "by design" in site for site in sites), (where, sites)
         if not expected and "configs/tiny/mixtral.yaml" not in result["config"]:
             assert sites == [], (where, sites)

@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer-impl", choices=IMPLS, default="auto",
                    help="GPT2BPETokenizer and HF directories: 'rust' encodes with the tokenizers package (same ids; "
                         "faster on text of many distinct words, slower than the regex path's word cache on typical "
-                        "prose: see benchmarks/README.md), 'python' with the reference (regex / transformers); "
+                        "prose: see docs/data.md), 'python' with the reference (regex / transformers); "
                         "'auto' (default) takes rust when tokenizers imports")
     p.add_argument("--append-eod", action="store_true", help="end every document with the tokenizer's EOD id")
     p.add_argument("--workers", type=_positive, default=1, help="tokenizer processes")

@@ -17,11 +17,12 @@ It prints and writes per role the median step, the communication modelled and ex
 memory beside the planner's, the planner's step estimate and the job's step predicted from the measured
 instructions (with MFU on CUDA); a role that does not fit the device is refused (exit 2) before it allocates.
 
-Prints, per role: the peak device memory measured from the fake allocations (by category) beside the
-planner's estimate, the pipeline instructions, the collectives and the host syncs of the steady-state step
-(--all: then the README's table). Exits 1 when a steady-state step syncs with the host (other than the
-README's by-design reads), when a peak is off the planner's estimate by more than --tolerance, or when it does
-not fit the GPU; 2 when the rehearsal cannot run here (no C++ compiler to build the fake device).
+Prints, per role: the peak device memory measured from the fake allocations (by category) beside the planner's
+estimate, the pipeline instructions, the collectives and the host syncs of the steady-state step (--all: then the
+table of benchmarks/reports/2026-12-04-rehearsal.md). Exits 1 when a steady-state step syncs with the host (other
+than the by-design reads of docs/design/nccl-rules.md), when a peak is off the planner's estimate by more than
+--tolerance, or when it does not fit the GPU; 2 when the rehearsal cannot run here (no C++ compiler to build the
+fake device).
 """
 from __future__ import annotations
 

@@ -38,42 +38,41 @@ BACKENDS = ("auto", "nccl", "gloo")
 class ParallelConfig:
     """How the world is cut: TP x CP x PP x DP, rank order, Domino and the pipeline layout."""
 
-    tp: int = 1
-    pp: int = 1
-    dp: Optional[int] = None  # None: world_size // (tp * cp * pp)
-    cp: int = 1  # context parallel: each sequence split over cp ranks (ring attention); Megatron's context_parallel_size
+    tp: int = 1  # tensor-parallel size: each layer's weights split over tp ranks (keep a TP group in one node)
+    pp: int = 1  # pipeline-parallel size: the layers cut into pp stages
+    dp: Optional[int] = None  # data-parallel size; null: world_size // (tp * cp * pp)
+    cp: int = 1  # context-parallel size: each sequence split over cp ranks (Megatron's context_parallel_size)
     cp_comm: str = "ring"  # CP_COMMS: K/V blocks around a ring, or all-to-alls over the heads (Ulysses)
-    cp_a2a_size: Optional[int] = None  # a2a+ring: CP ranks per all-to-all group (inside a node); rings join the groups
+    cp_a2a_size: Optional[int] = None  # a2a+ring: CP ranks per all-to-all group (one node's); rings join the groups
     cp_a2a_slices: int = 2  # a2a: head slices pipelined, one's all-to-alls in flight while another attends; 1: none
     # a2a, a2a+ring with Domino: a mu-chunk's output all-to-alls fly during the next mu-chunk's attention core (the
     # core a Domino phase of its own); the projection's all-reduce then hides behind less compute
     cp_a2a_output_overlap: bool = False
-    virtual_pp: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
-    order: str = "tp-cp-dp-pp"  # a permutation of AXES, innermost axis first
-    sequence_parallel: bool = False
-    domino: bool = False
-    domino_chunks: int = 2  # micro-batch split into this many mu-chunks (row split)
-    domino_split: str = "row"  # DOMINO_SPLITS
-    domino_overlap: str = "inter"  # DOMINO_OVERLAPS
-    pipeline_partition: str = "uniform"  # PIPELINE_PARTITIONS
-    pipeline_layout: Optional[list] = None  # explicit layers per stage, e.g. [3, 5]
-    # PIPELINE_SCHEDULES; None: interleaved when virtual_pp > 1, else 1f1b. zb-h1: zero-bubble (split backward);
-    # zb-v, dualpipev: V_SCHEDULES (virtual_pp 2 implied when left unset)
+    virtual_pp: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1; the V schedules: 2)
+    order: str = "tp-cp-dp-pp"  # rank order: tp, cp, dp, pp joined by '-', innermost (neighbouring ranks) first
+    sequence_parallel: bool = False  # tp > 1: norms, dropout and residuals on 1/tp of the sequence (less memory)
+    domino: bool = False  # hide TP's all-reduces behind compute, the Domino way (docs/domino.md)
+    domino_chunks: int = 2  # mu-chunks the micro-batch (row) or the weights (column) are split into
+    domino_split: str = "row"  # DOMINO_SPLITS: the batch into mu-chunks, the weights by columns, or both
+    domino_overlap: str = "inter"  # DOMINO_OVERLAPS: a chunk's all-reduce hides in its layer, or in the next too
+    pipeline_partition: str = "uniform"  # PIPELINE_PARTITIONS: even layer counts, or stages of even weights
+    pipeline_layout: Optional[list] = None  # explicit layers per stage, e.g. [3, 5]; null: pipeline_partition
+    # PIPELINE_SCHEDULES: null: interleaved when virtual_pp > 1, else 1f1b; zb-h1 splits the backward; zb-v and
+    # dualpipev run 2 chunks per rank in a V (virtual_pp 2 implied)
     pipeline_schedule: Optional[str] = None
     # dualpipev: each F&B unit's forward and backward take turns at their communication waits, one's Domino
     # all-reduces and expert exchanges flying while the other computes (parallel/turns.py); false: in sequence
-    # (the default until a GPU run measures the turns: on the CPU they hide waits, gaining time on a slow link only)
     overlap_f_and_b: bool = False
-    variable_seq_lengths: bool = False
-    backend: str = "auto"  # BACKENDS
+    variable_seq_lengths: bool = False  # pipeline transfers carry each micro-batch's shape (not fixed by the config)
+    backend: str = "auto"  # BACKENDS: auto takes nccl on CUDA, gloo on the CPU
     timeout_s: float = 600.0  # watchdog: seconds without progress before a rank reports the hang and exits
-    # process groups' (NCCL/gloo) timeout; None: 2 * timeout_s. Must be >= 2 * timeout_s so the watchdog's
+    # process groups' (NCCL/gloo) timeout; null: 2 * timeout_s. Must be >= 2 * timeout_s so the watchdog's
     # report (naming the silent peer) comes before NCCL's abort
     collective_timeout_s: Optional[float] = None
     # debug: make gloo obey NCCL's rules (untagged, rendezvous p2p; host tensors refused by collectives)
     strict_transport: bool = False
     ep: int = 1  # expert parallel size, taken from the data-parallel ranks (divides dp and num_experts)
-    # experts' tensor parallelism: None (= tp) splits each expert over TP like the MLP; 1 keeps experts whole and
+    # experts' tensor parallelism: null (= tp) splits each expert over TP like the MLP; 1 keeps experts whole and
     # shares them out over the tp x ep ranks instead, each TP rank routing its own slice of the tokens (Megatron's
     # expert_tensor_parallel_size 1)
     expert_tp: Optional[int] = None
@@ -83,23 +82,25 @@ class ParallelConfig:
 class TrainConfig:
     """The loop: length, batch, seed, precision and evaluation cadence."""
 
-    steps: int = 20
-    tokens: Optional[int] = None  # stop after this many tokens when set (whichever comes first)
-    micro_batch_size: int = 2
-    global_batch_size: int = 8
-    seed: int = 1234
-    fp16: bool = False
-    bf16: bool = False
-    eval_interval: int = 0  # 0: no periodic evaluation
-    eval_iters: int = 2
+    steps: int = 20  # optimizer steps to train
+    tokens: Optional[int] = None  # also stop after this many tokens (whichever comes first); null: steps only
+    micro_batch_size: int = 2  # samples per forward on one rank
+    global_batch_size: int = 8  # samples per step over all DP ranks (a multiple of micro_batch_size * dp)
+    seed: int = 1234  # weights' init, dropout and the data order
+    fp16: bool = False  # fp16 weights and compute, with a dynamic loss scale
+    bf16: bool = False  # bf16 weights and compute (fp32 masters in the optimizer)
+    eval_interval: int = 0  # evaluate every this many steps; 0: no periodic evaluation
+    eval_iters: int = 2  # batches per evaluation, for each validation set
     exit_interval: int = 0  # save and exit cleanly once the step count is a multiple of this (0: off)
-    # the bad-step guard (training/guard.py): a non-finite loss or grad norm, or a loss above spike_factor x the
-    # median of the last spike_window steps, is skipped (no update), stops the run with a checkpoint, or is run
-    # again on the same data (rerun: not reproduced -> a transient fault, go on; reproduced -> skip or stop)
-    on_bad_step: Optional[str] = None  # BAD_STEP_ACTIONS; None: off (no per-step host read)
-    spike_factor: Optional[float] = None  # None: no spike check (non-finite values only)
-    on_bad_step_after_rerun: str = "stop"  # rerun reproduced the bad step (the data or the model): skip it or stop
-    spike_window: int = 100
+    # BAD_STEP_ACTIONS: the bad-step guard (training/guard.py): a non-finite loss or grad norm, or a loss above
+    # spike_factor x the median of the last spike_window steps, is skipped (no update), stops the run with a
+    # checkpoint, or is run again on the same data (rerun: not reproduced -> a transient fault, go on; reproduced
+    # -> on_bad_step_after_rerun); null: off (no per-step host read)
+    on_bad_step: Optional[str] = None
+    spike_factor: Optional[float] = None  # a loss above this x the recent median is bad; null: non-finite only
+    # RERUN_VERDICT_ACTIONS: what to do when a rerun reproduced the bad step (the data or the model)
+    on_bad_step_after_rerun: str = "stop"
+    spike_window: int = 100  # good steps whose median loss the spike check compares with
 
     def num_microbatches(self, dp: int) -> int:
         """Micro-batches each DP rank runs per step: global / (micro * dp), the one formula every module uses.
@@ -124,33 +125,33 @@ OFFLOAD_DEVICES = ("cpu",)
 class OptimizerConfig:
     """Optimizer, ZeRO stage, clipping, loss scaling and the LR schedule."""
 
-    name: str = "adamw"  # OPTIMIZERS
-    lr: float = 1e-3
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    name: str = "adamw"  # OPTIMIZERS: the update rule
+    lr: float = 1e-3  # peak learning rate
+    min_lr: float = 0.0  # learning rate at the end of the decay
+    weight_decay: float = 0.01  # decoupled weight decay (biases and norms excluded)
+    beta1: float = 0.9  # adamw: first-moment decay
+    beta2: float = 0.95  # adamw: second-moment decay
+    eps: float = 1e-8  # adamw: added to the denominator
     momentum: float = 0.9  # sgd only
-    clip_grad: float = 1.0  # 0: no clipping
-    zero_stage: int = 1  # ZERO_STAGES; 3 shards the weights too (optim/weight_units.py)
+    clip_grad: float = 1.0  # global gradient-norm clip; 0: no clipping
+    zero_stage: int = 1  # ZERO_STAGES: what DP ranks shard: nothing, optimizer state, + gradients, + weights
     reshard_after_forward: bool = True  # ZeRO-3: free a layer's gathered weights after its forward (FSDP2's name)
     prefetch_depth: int = 1  # ZeRO-3: layers whose all-gather is in flight while one computes (0: gather on use)
-    bucket_size_mb: float = 25.0
-    overlap_grad_reduce: bool = True
-    accumulate_grads_in_fp32: bool = True
-    offload: Optional[str] = None  # OFFLOAD_DEVICES: "cpu" keeps masters and Adam state in host memory
+    bucket_size_mb: float = 25.0  # size of a gradient bucket reduced over DP as one message
+    overlap_grad_reduce: bool = True  # reduce a bucket during backward as soon as its gradients are complete
+    accumulate_grads_in_fp32: bool = True  # gradients accumulate in fp32 buffers under bf16/fp16 weights
+    offload: Optional[str] = None  # OFFLOAD_DEVICES: masters and Adam state in host memory, stepped there
     offload_fraction: float = 1.0  # the share of this rank's shard offloaded (Megatron's optimizer_offload_fraction)
     overlap_offload_step: bool = True  # offload: the host steps while the next forward runs (optim/host_step.py)
-    lr_schedule: str = "cosine"  # LR_SCHEDULES
-    warmup_steps: int = 0
-    decay_steps: Optional[int] = None  # None: train.steps - warmup_steps
+    lr_schedule: str = "cosine"  # LR_SCHEDULES: the decay from lr to min_lr after the warm-up
+    warmup_steps: int = 0  # linear warm-up from 0 to lr
+    decay_steps: Optional[int] = None  # steps of decay after the warm-up; null: train.steps - warmup_steps
     wsd_decay_fraction: float = 0.1  # share of decay_steps spent in the WSD cool-down
-    initial_loss_scale: float = 2.0**16
-    loss_scale_window: int = 1000  # growth interval
-    loss_scale_backoff: float = 0.5
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
+    initial_loss_scale: float = 2.0**16  # fp16: the loss scale to start from
+    loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
+    loss_scale_backoff: float = 0.5  # fp16: the scale's factor after an overflow
+    hysteresis: int = 2  # fp16: overflows tolerated before the scale backs off
+    min_loss_scale: float = 1.0  # fp16: the scale never goes below this
 
 
 @dataclass
@@ -158,11 +159,11 @@ class DataConfig:
     """Megatron-format data: prefixes (optionally weighted), split and EOD handling."""
 
     path: Optional[list] = None  # [PREFIX, ...] (weighed by size) or [w1, PREFIX1, w2, PREFIX2, ...]: data_path.py
-    split: str = "949,50,1"
-    cache_dir: Optional[str] = None  # None: beside the data
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    eod_mask_loss: bool = False
+    split: str = "949,50,1"  # train,valid,test weights: each prefix's documents cut into three ranges
+    cache_dir: Optional[str] = None  # where sample indices are cached; null: PREFIX_cache/ beside the data
+    reset_position_ids: bool = False  # positions restart at 0 in each packed document
+    reset_attention_mask: bool = False  # attention stays within each packed document (EOD-separated)
+    eod_mask_loss: bool = False  # no loss on end-of-document tokens
     balance_attention: bool = False  # arrange each step's samples so micro-batches and CP ranks share attention evenly
     balance_tolerance: float = 0.02  # stop arranging once the busiest (micro-batch, CP rank) is this close to the mean
     mock: bool = False  # synthetic tokens, for tests and benchmarks only
@@ -177,9 +178,9 @@ TOKENIZERS = ("GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenize
 class TokenizerConfig:
     """Which tokenizer turns text into ids (preprocessing) and which ids are special (training)."""
 
-    type: str = "NullTokenizer"  # TOKENIZERS
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
+    type: str = "NullTokenizer"  # TOKENIZERS: NullTokenizer reads ids, not text
+    vocab_file: Optional[str] = None  # GPT2BPETokenizer: vocab.json
+    merge_file: Optional[str] = None  # GPT2BPETokenizer: merges.txt
     model: Optional[str] = None  # SentencePiece .model or HF tokenizer directory
 
 
@@ -187,11 +188,11 @@ class TokenizerConfig:
 class CheckpointConfig:
     """Where checkpoints go, how often, how many are kept, and what to resume from."""
 
-    dir: Optional[str] = None
-    interval: int = 0  # 0: only at the end
+    dir: Optional[str] = None  # where checkpoints are saved; null: none are
+    interval: int = 0  # save every this many steps; 0: only at the end
     load: Optional[str] = None  # a checkpoint directory, or "auto" for the latest in `dir`
     keep: int = 2  # newest checkpoints kept; 0 keeps all
-    save_at_end: bool = True
+    save_at_end: bool = True  # save after the last step
     async_save: bool = False  # stage to host memory, write in the background; training goes on meanwhile
     save_timeout_s: float = 3600.0  # budget of a save: the watchdog's limit and each wait for the other ranks
     load_timeout_s: float = 3600.0  # budget of a load, likewise
@@ -202,13 +203,13 @@ class CheckpointConfig:
 class LogConfig:
     """Where and how often metrics are written."""
 
-    dir: str = "runs/default"
-    interval: int = 1
-    tensorboard: bool = True
-    timers: bool = False
-    peak_tflops: Optional[float] = None  # per device; None: looked up from the device name when known
+    dir: str = "runs/default"  # metrics.jsonl, TensorBoard events, error logs and profiles go here
+    interval: int = 1  # a console line and a metrics record every this many steps
+    tensorboard: bool = True  # TensorBoard events in log.dir/tensorboard
+    timers: bool = False  # per-phase times in each metrics record (synchronises the device: slower)
+    peak_tflops: Optional[float] = None  # a device's peak for MFU; null: looked up from the device name
     sync_debug: bool = False  # CUDA only: a host sync in a steady-state training step raises
-    wandb_project: Optional[str] = None  # None: no wandb (not even imported)
+    wandb_project: Optional[str] = None  # log to this wandb project too; null: no wandb (not even imported)
     wandb_mode: str = "online"  # WANDB_MODES; offline writes under log.dir/wandb, `wandb sync` uploads it
     straggler_interval: int = 0  # every N steps rank 0 reports the slowest ranks' compute time (0: off)
     profile_steps: Optional[list] = None  # [start, end]: torch.profiler trace per rank over these steps

@@ -11,9 +11,9 @@ communication. On fake devices nothing runs, so the detector looks at the operat
 - a device ``synchronize``, ``Stream.synchronize``, an event waited for on the host in the step that
   recorded it (``runtime.py`` reports those).
 Each finding names the library's file, line and function that asked for it (the innermost frame outside
-torch and this package). Some are by design and listed in the README ("No host syncs in a steady-state
-step"); ``BY_DESIGN`` is that list, by the function that reads. Outside steady-state steps (start-up, the
-first step, steps that log) nothing is recorded.
+torch and this package). Some are by design and listed in docs/design/nccl-rules.md ("No host syncs in a
+steady-state step"); ``BY_DESIGN`` is that list, by the function that reads. Outside steady-state steps
+(start-up, the first step, steps that log) nothing is recorded.
 """
 from __future__ import annotations
 

@@ -68,7 +68,8 @@ def format_result(result: dict) -> str:
 
 
 def markdown_rows(result: dict, config_dir: str) -> list[str]:
-    """The README table's rows for one rehearsed config: a row per stage (its CP / EP roles merged when equal)."""
+    """The rows of the rehearsal report's table (benchmarks/reports/2026-12-04-rehearsal.md) for one rehearsed
+    config: a row per stage (its CP / EP roles merged when equal)."""
     layout = result["layout"]
     shape = " x ".join(f"{axis} {layout[axis]}" for axis in ("tp", "cp", "pp", "dp", "ep") if layout[axis] > 1)
     name = os.path.relpath(result["config"], config_dir)

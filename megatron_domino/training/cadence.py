@@ -1,8 +1,8 @@
 """Which steps do what beyond training: log, evaluate, save, exit; and so which read values on the host.
 
-A steady-state step never waits for the GPU (README: "No host syncs in a steady-state step"); the steps
-that log, evaluate, save or end the run read values on the host by design, and so does every step under
-the bad-step guard (two scalars). ``log.sync_debug`` turns any other host sync into an error on CUDA.
+A steady-state step never waits for the GPU (docs/design/nccl-rules.md: "No host syncs in a steady-state step"); the
+steps that log, evaluate, save or end the run read values on the host by design, and so does every step under the
+bad-step guard (two scalars). ``log.sync_debug`` turns any other host sync into an error on CUDA.
 """
 from __future__ import annotations
 
