@@ -28,7 +28,7 @@ from .models.attention import check_attention_split
 from .models.mlp import check_mlp_split
 from .parallel.topology import check_topology
 from .pipeline.partition import check_partition
-from .pipeline.schedules import check_schedule
+from .pipeline.schedules import check_f_and_b, check_schedule
 
 
 def validate_config(cfg: Config, world_size: int | None = None, check_paths: bool = True,
@@ -53,6 +53,7 @@ def validate_config(cfg: Config, world_size: int | None = None, check_paths: boo
         if cfg.model.num_layers >= 1:
             check_partition(c, cfg.model.num_layers, p.pp, p.virtual_pp, p.pipeline_partition, p.pipeline_layout)
         check_schedule(c, p.pp, p.virtual_pp, micro_batches, p.pipeline_schedule)
+    check_f_and_b(c, p, rules.f_and_b_turns(p))
     check_moe(c, cfg)
     rules.check_optimizer(c, cfg)
     check_data(c, cfg, check_paths)

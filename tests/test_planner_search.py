@@ -16,8 +16,8 @@ import pytest
 from megatron_domino.config import load_config
 from megatron_domino.config.checks import Checks
 from megatron_domino.config.errors import ConfigError
-from megatron_domino.config.schema import PIPELINE_SCHEDULES, ZERO_STAGES
-from megatron_domino.pipeline.schedules import build_schedule, check_schedule, v_shape
+from megatron_domino.config.schema import ZERO_STAGES
+from megatron_domino.pipeline.schedules import build_schedule, check_schedule, names, v_shape
 from megatron_domino.pipeline.simulate import simulate
 from megatron_domino.planner.hardware import get_gpu
 from megatron_domino.planner.search import MICRO_BATCHES, Layout, candidate_layouts, divisors, evaluate, rank_layouts
@@ -26,6 +26,7 @@ from megatron_domino.validation import validate_config
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT, MIXTRAL = os.path.join(ROOT, "configs/tiny/gpt.yaml"), os.path.join(ROOT, "configs/tiny/mixtral.yaml")
 CPU = get_gpu("cpu")
+PIPELINE_SCHEDULES = names()
 
 
 def _tiny(path, *overrides):

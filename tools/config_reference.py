@@ -3,7 +3,8 @@
 A key's meaning is the comment beside its field in ``megatron_domino/config/schema.py`` (``model_config.py`` for
 the model section): the comment lines right above the field, then the comment after it on the same line. A
 field without one has no meaning to print, and ``tests/test_docs.py`` fails on it. A comment that starts with
-the name of a tuple of allowed values (``DOMINO_SPLITS``) gives the key's allowed values.
+the name of a tuple of allowed values (``DOMINO_SPLITS``) gives the key's allowed values; ``PIPELINE_SCHEDULES``
+names the pipeline schedules' registry (``megatron_domino/pipeline/schedules/``).
 
     python tools/config_reference.py            # rewrite docs/configuration.md
     python tools/config_reference.py --check    # exit 1 if docs/configuration.md is not what the schema gives
@@ -22,6 +23,7 @@ import textwrap
 import tokenize
 
 from megatron_domino.config import model_config, schema
+from megatron_domino.pipeline.schedules import names as schedule_names
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(REPO, "docs", "configuration.md")
@@ -75,7 +77,7 @@ def field_docs(cls: type) -> dict[str, str]:
 def split_allowed(doc: str) -> tuple[tuple | None, str]:
     """(allowed values, meaning): a leading tuple name in the comment gives the values; the rest is the meaning."""
     match = _ALLOWED.match(doc)
-    namespace = {**vars(model_config), **vars(schema)}
+    namespace = {**vars(model_config), **vars(schema), "PIPELINE_SCHEDULES": schedule_names()}
     if match and isinstance(namespace.get(match.group(1)), tuple):
         return namespace[match.group(1)], doc[match.end():]
     return None, doc

@@ -17,14 +17,12 @@ from html import escape
 
 from megatron_domino.domino.order import backward_order, forward_order
 from megatron_domino.pipeline.program import Overlapped
-from megatron_domino.pipeline.schedules import build_schedule, v_shape
+from megatron_domino.pipeline.schedules import build_schedule, get, names, v_shape
 from megatron_domino.pipeline.simulate import Costs, simulate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGES = os.path.join(REPO, "docs", "images")
 PP, MICROBATCHES = 4, 8
-SCHEDULES = {"1f1b": ("1F1B", 1), "interleaved": ("Interleaved 1F1B", 2), "zb-h1": ("ZB-H1", 1),
-             "zb-v": ("ZB-V", 2), "dualpipev": ("DualPipeV", 2)}
 COLOURS = {"forward": ("F", "#4c78a8", "#9ecae9"), "backward": ("B", "#54a24b", "#a1d99b"),
            "backward_input": ("I", "#f58518", "#fdd0a2"), "backward_weight": ("W", "#b279a2", "#dcc3d8")}
 UNIT, ROW, LEFT, TOP = 24, 26, 64, 34  # px per unit of time, per rank row; margins
@@ -56,7 +54,7 @@ def _legend(y: float, items: list[tuple[str, str]]) -> list[str]:
 
 def pipeline_svg(kind: str) -> str:
     """One schedule at pp 4, 8 micro-batches; a chunk's ops cost 1/v of a stage's (F 1, B 2, I and W 1 each)."""
-    title, virtual = SCHEDULES[kind]
+    title, virtual = get(kind).label, get(kind).picture_chunks
     schedule = build_schedule(kind, PP, MICROBATCHES, virtual)
     result = simulate(schedule, MICROBATCHES, virtual, Costs(1.0 / virtual, 2.0 / virtual), v_shape=v_shape(kind))
     heading = (f"{title}: pp {PP}, {MICROBATCHES} micro-batches, {virtual} chunk(s) per rank; bubble "
@@ -152,7 +150,7 @@ def domino_svg() -> str:
 
 def pictures() -> dict[str, str]:
     """File name under docs/images -> SVG text."""
-    drawn = {f"pipeline-{kind}.svg": pipeline_svg(kind) for kind in SCHEDULES}
+    drawn = {f"pipeline-{kind}.svg": pipeline_svg(kind) for kind in names()}
     drawn["domino-block.svg"] = domino_svg()
     return drawn
 

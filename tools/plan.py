@@ -24,7 +24,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 sys.path.insert(0, ROOT)
 
 from megatron_domino.config import ConfigError, load_config  # noqa: E402
-from megatron_domino.config.schema import CP_COMMS, PIPELINE_SCHEDULES  # noqa: E402
+from megatron_domino.config.schema import CP_COMMS  # noqa: E402
+from megatron_domino.pipeline.schedules import names as schedule_names  # noqa: E402
 from megatron_domino.models.counters import count_parameters  # noqa: E402
 from megatron_domino.planner.hardware import GPUS, get_gpu  # noqa: E402
 from megatron_domino.planner.report import format_table  # noqa: E402
@@ -70,8 +71,8 @@ def _cp_comm(text: str) -> str:
 
 
 def _schedule(text: str) -> str:
-    if text not in PIPELINE_SCHEDULES:
-        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(PIPELINE_SCHEDULES)}")
+    if text not in schedule_names():
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(schedule_names())}")
     return text
 
 

@@ -23,7 +23,7 @@ import yaml
 
 from ..files import atomic_open
 from .errors import ConfigError, Problem
-from .schema import V_SCHEDULES, Config
+from .schema import Config
 
 _BOOL_TAG = "tag:yaml.org,2002:bool"
 _FLOAT_TAG = "tag:yaml.org,2002:float"
@@ -173,8 +173,13 @@ def config_from_dict(data: dict) -> Config:
     if problems:
         raise ConfigError.of(problems)
     parallel = built.get("parallel", (None, {}))[1]
-    if parallel.get("pipeline_schedule") in V_SCHEDULES and "virtual_pp" not in parallel:
-        parallel["virtual_pp"] = 2  # the V's two chunks per rank, implied (check_schedule refuses another)
+    if "virtual_pp" not in parallel and parallel.get("pipeline_schedule") is not None:
+        # the schedule's own chunk count (a V's two), implied; the schedules are the pipeline's records, read here
+        # by the one import of the config layer upwards (.importlinter says so)
+        from ..pipeline.schedules import implied_chunks
+        chunks = implied_chunks(parallel["pipeline_schedule"])
+        if chunks is not None:
+            parallel["virtual_pp"] = chunks
     return Config(**{section: cls(**values) for section, (cls, values) in built.items()})
 
 

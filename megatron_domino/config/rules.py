@@ -116,10 +116,6 @@ def check_parallel(c: Checks, cfg: Config) -> None:
     c.one_of("parallel.backend", p.backend, BACKENDS)
     if p.sequence_parallel and p.tp == 1:
         c.warnings.append("parallel.sequence_parallel=true has no effect with parallel.tp=1")
-    if p.overlap_f_and_b and not (p.pipeline_schedule == "dualpipev" and f_and_b_turns(p)):
-        c.warnings.append("parallel.overlap_f_and_b=true has no effect: only dualpipev has F&B units, and their "
-                          "halves take turns at Domino's waits (parallel.domino=true, parallel.tp > 1) and at the "
-                          "experts' exchanges (parallel.ep > 1)")
     if not all(isinstance(size, int) and size >= 1 for size in (p.tp, p.cp)):
         return  # the rank grid's rules (check_topology) name them
     if p.cp_a2a_output_overlap and p.cp == 1:

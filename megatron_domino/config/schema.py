@@ -28,8 +28,6 @@ def full_order(order: str) -> str:
 DOMINO_SPLITS = ("row", "column", "2d")
 DOMINO_OVERLAPS = ("intra", "inter")
 PIPELINE_PARTITIONS = ("uniform", "parameters")
-PIPELINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
-V_SCHEDULES = ("zb-v", "dualpipev")  # 2 chunks per rank in V order: imply parallel.virtual_pp 2
 CP_COMMS = ("ring", "a2a", "a2a+ring")  # CP: ring attention (Megatron's p2p), Ulysses all-to-all, both nested
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -58,7 +56,7 @@ class ParallelConfig:
     pipeline_partition: str = "uniform"  # PIPELINE_PARTITIONS: even layer counts, or stages of even weights
     pipeline_layout: Optional[list] = None  # explicit layers per stage, e.g. [3, 5]; null: pipeline_partition
     # PIPELINE_SCHEDULES: null: interleaved when virtual_pp > 1, else 1f1b; zb-h1 splits the backward; zb-v and
-    # dualpipev run 2 chunks per rank in a V (virtual_pp 2 implied)
+    # dualpipev run 2 chunks per rank in a V (virtual_pp 2 implied); each is a file of pipeline/schedules/
     pipeline_schedule: Optional[str] = None
     # dualpipev: each F&B unit's forward and backward take turns at their communication waits, one's Domino
     # all-reduces and expert exchanges flying while the other computes (parallel/turns.py); false: in sequence

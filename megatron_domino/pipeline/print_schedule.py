@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .schedules import KINDS, build_schedule, schedule_for, schedule_kind, v_shape
+from .schedules import build_schedule, implied_chunks, names, schedule_for, schedule_kind, v_shape
 from .simulate import Costs, ScheduleError, simulate
 from .timeline import render_timeline, summarize
 
@@ -17,8 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, required=True, help="pipeline ranks (parallel.pp)")
     parser.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
     parser.add_argument("--virtual", type=int, default=None,
-                        help="model chunks per rank (parallel.virtual_pp); default 1, 2 for zb-v and dualpipev")
-    parser.add_argument("--kind", choices=KINDS, default=None,
+                        help="model chunks per rank (parallel.virtual_pp); default 1, or what --kind implies (a V: 2)")
+    parser.add_argument("--kind", choices=("none", *names()), default=None,
                         help="default: none for pp 1, interleaved for virtual > 1, else 1f1b")
     parser.add_argument("--forward-cost", type=float, default=1.0, help="time of one chunk's forward")
     parser.add_argument("--backward-cost", type=float, default=2.0, help="time of one chunk's backward")
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", action="store_true", help="also print every rank's instruction list")
     args = parser.parse_args(argv)
     if args.virtual is None:
-        args.virtual = 2 if v_shape(args.kind) else 1
+        args.virtual = implied_chunks(args.kind) or 1
     kind = args.kind or schedule_kind(args.pp, args.virtual)
     try:
         schedule = build_schedule(kind, args.pp, args.microbatches, args.virtual)

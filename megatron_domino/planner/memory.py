@@ -50,7 +50,7 @@ from functools import cache, wraps
 from ..config.schema import Config
 from ..models.counters import mtp_module_parameters, norm_parameters
 from ..optim.grad_buffer import IN_FLIGHT
-from ..pipeline.schedules import chunk_stage, schedule_kind, v_shape
+from ..pipeline.schedules import chunk_stage, get, schedule_kind, v_shape
 from ..pipeline.stages import layer_partition
 from .activations import chunk_activation_bytes, loss_transient_bytes, recompute_working_bytes, weight_bytes
 from .context_parallel import context_parallel_transient_bytes
@@ -299,8 +299,8 @@ def estimate_stages(cfg: Config, dp: int, gpu: GPU) -> list[StageMemory]:
         else:
             active, holding, alive = flights[rank] * per_unit, held[rank] * per_held, flights[rank]
         last = loss if stages - 1 in chunks else 0.0
-        if held[rank] and kind != "dualpipev":  # the loss's forward runs before the I that records the last of
-            last = max(0.0, last - per_held)  # them (DualPipeV's F&B units run it beside a held one)
+        if held[rank] and not get(kind).loss_beside_held:  # the loss's forward runs before the I that records the
+            last = max(0.0, last - per_held)  # last of them (unless an F&B unit runs it beside a held one)
         transient = max(attention, last)
         result.append(StageMemory(rank, weights, grads, optimizer, active * tokens, transient * tokens,
                                   gpu.overhead_gib * GIB, alive, host, holding * tokens))

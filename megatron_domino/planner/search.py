@@ -4,9 +4,10 @@ A layout (``layout.py``) is (tp, cp, pp, dp, virtual pp, pipeline schedule, micr
 plus how TP communicates: Domino's overlap, sequence parallelism, or both; how CP does (``parallel.cp_comm``: the
 ring, the all-to-all, and a2a+ring with each all-to-all group size that divides cp, where
 ``check_context_parallel`` accepts them); and for an MoE model the expert-parallel size ep. The schedule
-(``schedule_choices``): at pp > 1, the config's default (1f1b at virtual pp 1, interleaved above); the split-backward
-schedules (zb-h1 at 1, zb-v and dualpipev at 2), each where ``check_schedule`` passes for the layout's
-micro-batches, only when ``only`` names schedules (``tools/plan.py --schedule``): their held gradients
+(``schedule_choices``): at pp > 1, the config's default (1f1b at virtual pp 1, interleaved above); every registered
+schedule that takes the layout's chunk count (``pipeline/schedules/``: zb-h1 at 1, zb-v and dualpipev at 2), each
+where ``check_schedule`` passes for the layout's micro-batches, only when ``only`` names schedules
+(``tools/plan.py --schedule``): the split-backward schedules' held gradients
 (``held_gradients.py``) match a rehearsal but no GPU run yet, and ZB-V's rank 0 and DualPipeV are upper bounds
 (``memory.py``), so they are offered where asked for, not chosen unasked; a config that sets
 ``parallel.pipeline_schedule`` fixes it for every layout. Two memory savers are
@@ -32,7 +33,7 @@ from ..config.validate_context_parallel import check_context_parallel
 from ..config.validate_moe import check_expert_split
 from ..config.schema import RECOMPUTE, ZERO_STAGES, Config
 from ..pipeline.partition import check_partition
-from ..pipeline.schedules import check_schedule
+from ..pipeline.schedules import check_schedule, get, names
 from ..validation import validate_config
 from .hardware import GPU
 from .layout import Layout, updated
@@ -41,7 +42,6 @@ from .timing import StepTime, TimingAssumptions, estimate_step_time, model_flops
 
 MICRO_BATCHES = (1, 2, 4, 8)
 MAX_TP = 64
-SCHEDULES = {1: ("1f1b", "zb-h1"), 2: ("interleaved", "zb-v", "dualpipev")}  # pp > 1, by virtual pp; else interleaved
 UNASKED = (None,)  # when none is asked for: the trainer's own choice, 1f1b or interleaved by virtual pp
 
 
@@ -117,7 +117,7 @@ def schedule_choices(cfg: Config, pp: int, v: int, asked: bool = False) -> tuple
         return (cfg.parallel.pipeline_schedule,)
     if pp == 1:
         return (None,)
-    return SCHEDULES.get(v, ("interleaved",)) if asked else UNASKED
+    return tuple(name for name in names() if get(name).takes(v)) if asked else UNASKED
 
 
 def _pipeline_fits(cfg: Config, pp: int, v: int, schedule: str | None, num_microbatches: int | None = None) -> bool:

@@ -24,7 +24,8 @@ Context parallelism (``context_parallel.py``): per layer, the ring's K/V transfe
 not hide, and the all-to-alls of a2a and a2a+ring (exposed, but for ``a2a_hidden``), each over its group's link
 with a latency per message. The dp x cp gradient reduction is under data parallelism below.
 
-Pipeline. The bubble is the schedule's closed form in micro-batch times of the slowest rank (``pipeline_model.py``:
+Pipeline. The bubble is the schedule's closed form in micro-batch times of the slowest rank (its record in
+``pipeline/schedules/``, read by ``pipeline_model.py``:
 pp - 1 for 1F1B, (pp - 1)/v interleaved, (pp - 1)/3 ZB-H1, (pp - 1)/6 ZB-V, (7pp - 5)/6 DualPipeV), each such
 time being that rank's compute and exposed communication of one micro-batch. Transfers: every chunk of a rank
 receives its activation forward and its gradient backward ([micro batch, s / cp / (tp if SP), h]), its sends
@@ -64,7 +65,7 @@ from itertools import product
 from ..config.schema import Config
 from ..models.counters import flops_per_token
 from ..parallel.topology import Topology
-from ..pipeline.schedules import chunk_stage, schedule_kind
+from ..pipeline.schedules import chunk_stage, get, schedule_kind
 from .context_parallel import Link, context_parallel_seconds
 from .hardware import GPU
 from .memory import per_model_layout, rank_parameter_split, stage_layers, weight_bytes
@@ -260,8 +261,7 @@ def _exposed_layer_gathers(cfg: Config, once: float, compute_mb: float, layers: 
     the rank, ``m`` micro-batches per step (see the module docstring)."""
     opt, par = cfg.optimizer, cfg.parallel
     kind = schedule_kind(par.pp, par.virtual_pp, par.pipeline_schedule)
-    split = {"zb-h1": 1.0, "zb-v": 1.0, "dualpipev": min(1.0, par.pp / m)}
-    passes = (2 if opt.reshard_after_forward else 1) + split.get(kind, 0.0)  # W re-gathers what it split off
+    passes = (2 if opt.reshard_after_forward else 1) + get(kind).regathers(par.pp, m)  # W re-gathers its share
     if opt.prefetch_depth == 0:
         return passes * once
     first = once / (layers + 2)  # the first unit of each pass (blocks, embedding and head)

@@ -32,7 +32,7 @@ from ..optim.weight_store import ShardedWeights
 from ..parallel import device
 from ..parallel.topology import Topology
 from ..pipeline.program import max_in_flight
-from ..pipeline.schedules import build_schedule, least_microbatches, schedule_kind
+from ..pipeline.schedules import build_schedule, get, least_microbatches, schedule_kind
 from ..planner.hardware import get_gpu
 from ..planner.memory import GIB, estimate_stages
 from ..training.checkpoint_dir import RUN_DIRS_VERDICT
@@ -86,7 +86,7 @@ def fewest_microbatches(cfg, dp: int, pp_rank: int) -> int:
 
     def peak(count: int) -> int:
         return max_in_flight(build_schedule(kind, par.pp, count, par.virtual_pp)[pp_rank])
-    target, step = peak(m), par.pp if kind == "interleaved" else 1
+    target, step = peak(m), get(kind).microbatch_step(par.pp)
     least = max(2, least_microbatches(kind, par.pp))  # the V schedules need theirs to fill the V
     return next((count for count in range(step * -(-least // step), m, step) if peak(count) == target), m)
 

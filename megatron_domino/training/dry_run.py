@@ -18,7 +18,7 @@ from ..validation import validate_config
 from ..config.schema import Config
 from ..parallel.launch import launched_world_size
 from ..parallel.topology import Topology
-from ..pipeline.schedules import schedule_kind
+from ..pipeline.schedules import get, schedule_kind
 from ..planner.hardware import get_gpu
 from ..planner.memory import GIB, estimate_stages
 
@@ -67,7 +67,7 @@ def _groups(topology: Topology, gpus_per_node: int) -> list[str]:
 def _schedule(cfg: Config, dp: int, flights: list[int]) -> str:
     par = cfg.parallel
     kind = schedule_kind(par.pp, par.virtual_pp, par.pipeline_schedule)
-    unit = "chunk-micro-batches" if kind == "interleaved" else "micro-batches"
+    unit = "micro-batches" if get(kind).chunks == 1 else "chunk-micro-batches"
     split = (f" (each sequence split over {par.cp} context-parallel ranks, {cfg.model.seq_length // par.cp} tokens "
              f"each)" if par.cp > 1 else "")
     return (f"schedule: {kind}, {cfg.train.num_microbatches(dp)} micro-batches of {cfg.train.micro_batch_size} "

@@ -11,13 +11,18 @@ DeepSeek's public description lays them out (our derivation of the counts):
   3. the steady F&B units, (F0 & B1) (F1 & B0), m - 2 pp + r + 1 times;
   4. the cool-down: pp - r - 1 times B1 (F1 & B0), then r + 1 times I1 I0, pp - r - 1 times W I0, r + 1 W's:
      split backwards (W held, DualPipe's zero-bubble tail) fill the time the last gradients take.
+
+Held gradients: 1 on rank 0 and 2 (rank + 1) on the others (its cool-down's r + 1 pairs I1 I0). ZeRO-3: a split
+backward's W gathers the weights again, in a share pp / m of the backwards (at most all).
 """
 from __future__ import annotations
 
 from collections import deque
 
-from .placement import place_transfers
-from .program import Instruction, Overlapped
+from ..placement import place_transfers
+from ..program import Instruction, Overlapped
+from . import register
+from .record import Schedule, v_forwards
 
 
 class _Rank:
@@ -77,3 +82,12 @@ def dualpipe_v_programs(pp: int, num_microbatches: int) -> list[list]:
         raise ValueError(f"dualpipev needs at least 2 * pp = {2 * pp} micro-batches, got {num_microbatches}; fix: "
                          f"raise train.global_batch_size")
     return place_transfers([dualpipe_v_order(pp, r, num_microbatches) for r in range(pp)], 2, v_shape=True)
+
+
+DUALPIPE_V = register(Schedule(
+    name="dualpipev", label="DualPipeV", summary="the V with F&B units: one's communication behind the other's compute",
+    build=lambda pp, m, v, forward_only: v_forwards(pp, m) if forward_only else dualpipe_v_programs(pp, m),
+    bubble=lambda pp, m, v: (7 * pp - 5) / 6, in_flight=lambda pp, m, v: [min(2 * pp + 1, 2 * m)] * pp,
+    chunks=2, v_shape=True, least_per_pp=2,
+    held_gradients=lambda pp, m: [2 * (rank + 1) if rank else 1 for rank in range(pp)],
+    regathers=lambda pp, m: min(1.0, pp / m), f_and_b_units=True, loss_beside_held=True, picture_chunks=2, order=5))

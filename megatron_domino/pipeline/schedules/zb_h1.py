@@ -6,13 +6,20 @@ cross the pipeline in the time of I alone, and held-back W's fill the cool-down 
 
 Transfers are placed by the ideal timeline (``placement``): a send right after its compute, a receive at
 the last point of the receiver's program that comes no later than the send, so neither side waits.
+
+Bubble (pp - 1) / (3m + pp - 1): pp - 1 idle units of 3 a micro-batch, (pp - 1) / 3 micro-batch times; with
+m < pp the cool-down lacks W's to fill it, pp - m units more. Every rank holds min(pp, m) micro-batches from F to
+W (1F1B's rank-0 peak), and rank r >= 1 holds the gradients of min(r + 1, m) I's waiting for their W (rank r keeps
+its W's r behind its I's, one more while a W runs); rank 0's backward runs as W and holds none.
 """
 from __future__ import annotations
 
 from collections import deque
 
-from .placement import place_transfers
-from .program import Instruction
+from ..placement import place_transfers
+from ..program import Instruction
+from . import register
+from .record import Schedule, one_f_one_b_programs
 
 
 def zb_h1_order(pp: int, rank: int, num_microbatches: int) -> list[Instruction]:
@@ -38,3 +45,16 @@ def zb_h1_order(pp: int, rank: int, num_microbatches: int) -> list[Instruction]:
 def zb_h1_programs(pp: int, num_microbatches: int) -> list[list]:
     """Every rank's program: its ZB-H1 computes with the transfer groups placed by ``placement``."""
     return place_transfers([zb_h1_order(pp, rank, num_microbatches) for rank in range(pp)], 1)
+
+
+def _build(pp: int, m: int, virtual_pp: int, forward_only: bool) -> list[list]:
+    """Forward-only there is nothing to split: 1F1B's forwards."""
+    return one_f_one_b_programs(pp, m, virtual_pp, True) if forward_only else zb_h1_programs(pp, m)
+
+
+ZB_H1 = register(Schedule(
+    name="zb-h1", label="ZB-H1", summary="1F1B with the backward split into I and W: about a third of its bubble",
+    build=_build, bubble=lambda pp, m, v: (pp - 1 + max(0, pp - m)) / 3,
+    in_flight=lambda pp, m, v: [min(pp, m)] * pp,
+    held_gradients=lambda pp, m: [min(rank + 1, m) if rank else 0 for rank in range(pp)],
+    regathers=lambda pp, m: 1.0, order=3))
