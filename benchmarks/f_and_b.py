@@ -121,7 +121,7 @@ def _unit(trainer, mode: str, batch_a: dict, batch_b: dict) -> tuple[float, floa
             forward()
             backward()
         else:
-            Turns(torch.device("cpu")).run(forward, backward)
+            Turns(torch.device("cpu")).run(forward, backward, trainer.state.turns)
         return time.perf_counter() - start, blocked[0]
 
 

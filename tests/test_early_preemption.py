@@ -21,15 +21,15 @@ def usr1_restored():
 
 
 def test_a_warning_before_training_stops_it_at_its_first_steps(usr1_restored):
-    remember_early_warnings()
+    early = remember_early_warnings()
     os.kill(os.getpid(), signal.SIGUSR1)
-    handler = PreemptionHandler(torch.device("cpu"))
+    handler = PreemptionHandler(torch.device("cpu"), early)
     try:
         assert handler.received == signal.SIGUSR1
         assert [handler.should_stop(), handler.should_stop()] == [False, True]  # as a warning during step 1
     finally:
         handler.close()
-    later = PreemptionHandler(torch.device("cpu"))  # the warning was acted on once
+    later = PreemptionHandler(torch.device("cpu"), early)  # the warning was acted on once
     later.close()
     assert later.received is None
 

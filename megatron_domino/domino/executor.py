@@ -116,13 +116,14 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 def run_order(order: list[Step], blocks, inputs: list, contexts: list, *, column_pieces: int = 1,
-              embed: Callable | None = None, head: Callable | None = None) -> list[torch.Tensor]:
+              embed: Callable | None = None, head: Callable | None = None, taking=None) -> list[torch.Tensor]:
     """Execute ``order``; returns each chunk's final state.
 
     ``inputs[c]``: chunk c's hidden state (unused where the order launches the embedding); ``contexts[c]``:
     its tokens' context (``models.tokens.TokenContext``), handed to every block; ``embed(c)`` launches chunk
     c's embedding (something with ``finish()``); ``head(x, c)`` is the output head. Each step runs in a
-    profiler range named by ``Step.trace_name``.
+    profiler range named by ``Step.trace_name``. ``taking``: the run's ``parallel.turns.TurnTaking``, told of each
+    wait (an F&B unit's backward computes meanwhile).
     """
     chunks = len(contexts)
     state = list(inputs) + [None] * (chunks - len(inputs))
@@ -131,7 +132,7 @@ def run_order(order: list[Step], blocks, inputs: list, contexts: list, *, column
         with record_function(f"domino {step.trace_name()}"):  # a named range per step in profiles
             c = step.chunk
             if step.op == "wait":
-                turns.before_forward_wait()  # in an overlapped F&B unit, the backward computes meanwhile
+                turns.before_forward_wait(taking)  # in an overlapped F&B unit, the backward computes meanwhile
                 state[c] = state[c].finish()
                 continue
             marks.append(sequence_mark())

@@ -43,5 +43,6 @@ def domino_forward(model, input_tensor: torch.Tensor | None, batch: dict, return
     contexts = [context.rows(r, len(slices)) for r in slices]
     outputs = run_order(order, model.layers, [] if model.has_embedding else [input_tensor[r] for r in slices],
                         contexts, column_pieces=columns, embed=lambda c: model.embed_async(batch, slices[c]),
-                        head=lambda x, c: model.head(x, batch, slices[c], return_logits, contexts[c]))
+                        head=lambda x, c: model.head(x, batch, slices[c], return_logits, contexts[c]),
+                        taking=model.ctx.turns)
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

@@ -64,7 +64,8 @@ class DominoPlan:
         rows = min(self.chunks, batch_size) if self.split in ("row", "2d") else 1
         columns = self.chunks if self.split in ("column", "2d") else 1
         if self.split == "row" and rows < 2:
-            _warn_once("Domino: micro batch 1 cannot be split by rows; using the column split for it")
+            # once per calling line, by Python's own warning registry
+            warnings.warn("Domino: micro batch 1 cannot be split by rows; using the column split for it", stacklevel=2)
             columns = self.chunks
         return rows, columns
 
@@ -83,11 +84,3 @@ COMPARED_PLANS = {
     "column": DominoPlan(True, 2, "column", "intra"),
     "2d": DominoPlan(True, 2, "2d", "inter"),
 }
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, stacklevel=3)

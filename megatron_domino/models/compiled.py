@@ -40,7 +40,6 @@ from torch._dynamo.exc import TorchDynamoException
 from .attention import Attention
 from .mlp import MLP
 
-_cache_dir: str | None = None  # model.compile_cache_dir, once set in this process
 
 
 class Region:
@@ -65,18 +64,16 @@ class Region:
 
 
 def use_cache_dir(path: str | None) -> None:
-    """Inductor's cache in ``path`` (``model.compile_cache_dir``; None: torch's default). Inductor reads
-    TORCHINDUCTOR_CACHE_DIR whenever it compiles, so it is set once, before the first region compiles; another
-    directory later in the same process is refused."""
-    global _cache_dir
+    """Inductor's cache in ``path`` (``model.compile_cache_dir``; None: torch's default). Inductor keeps its cache
+    directory in TORCHINDUCTOR_CACHE_DIR for the whole process (it writes its default there at its first compile)
+    and reads it whenever it compiles, a region's lazily compiled backward included: so the setting is torch's own,
+    made here before the model's first region compiles. Another model of the same process with another directory
+    moves the later compiles of both there; only where kernels are cached changes."""
     if path is None:
         return
     path = os.path.abspath(os.path.expanduser(path))
-    if _cache_dir not in (None, path):
-        raise ValueError(f"model.compile_cache_dir = {path!r}: this process compiles into {_cache_dir!r} already. "
-                         f"Fix: give every model of one process the same model.compile_cache_dir")
     os.makedirs(path, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _cache_dir = path
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
 
 
 def compile_method(owner, method: str, name: str) -> None:
@@ -90,9 +87,10 @@ def apply_compile(model, model_cfg) -> None:
         return
     use_cache_dir(model_cfg.compile_cache_dir)
     # A split backward's I keeps the graph for its W (pipeline/split_backward.py), which AOTAutograd refuses for a
-    # backward that donates its saved buffers (and a donated buffer would be gone for W). It compiles a backward at
-    # its first call, donating unless that call keeps the graph: a graph first run by a whole backward, then by an
-    # I (DualPipeV's two chunks per rank; a warm cache), fails. The regions are small, so they keep their buffers
+    # backward that donates its saved buffers (a donated buffer would be gone for W). The setting is torch's, and
+    # set for the process on purpose: a patch (``config.patch``) is thread-local, and the regions compile on the F&B
+    # unit's helper thread (parallel/turns.py) and, lazily, in autograd's backward, outside any call of ours. The
+    # regions are small, so keeping their buffers costs little
     torch._functorch.config.donated_buffer = False
     for block in model.blocks():
         where = f"layer {block.layer_number}"

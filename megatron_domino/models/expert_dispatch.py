@@ -38,13 +38,14 @@ class _AllToAll(torch.autograd.Function):
     """Rows [sum(send), ...] out, [sum(receive), ...] in; backward sends the gradients home."""
 
     @staticmethod
-    def forward(ctx, x, send, receive, group):
-        ctx.send, ctx.receive, ctx.group = send, receive, group
-        return _exchange(x, send, receive, group, turns.before_forward_wait)
+    def forward(ctx, x, send, receive, group, taking):
+        ctx.send, ctx.receive, ctx.group, ctx.taking = send, receive, group, taking
+        return _exchange(x, send, receive, group, lambda: turns.before_forward_wait(taking))
 
     @staticmethod
     def backward(ctx, grad):
-        return _exchange(grad, ctx.receive, ctx.send, ctx.group, turns.before_backward_wait), None, None, None
+        hand_over = lambda: turns.before_backward_wait(ctx.taking)  # noqa: E731
+        return _exchange(grad, ctx.receive, ctx.send, ctx.group, hand_over), None, None, None, None
 
 
 class ExpertExchange:
@@ -52,8 +53,9 @@ class ExpertExchange:
     global expert (``counts``, an int64 [E] device tensor; rows sorted by expert). After it: ``sizes``, the same
     on the host, and ``local_sizes``, rows per local expert after the dispatch."""
 
-    def __init__(self, counts: torch.Tensor, group):
-        self.group, ep = group, comm.group_size(group)
+    def __init__(self, counts: torch.Tensor, group, turns=None):
+        """``turns``: the run's ``parallel.turns.TurnTaking`` (the exchanges' waits hand over inside an F&B unit)."""
+        self.group, self.turns, ep = group, turns, comm.group_size(group)
         local = len(counts) // ep
         if ep == 1:
             self.sizes = counts.tolist()  # the host sync that sizes each expert's GEMM
@@ -85,11 +87,11 @@ class ExpertExchange:
         (``local_sizes`` of each)."""
         if self.order is None:
             return rows
-        return _AllToAll.apply(rows, self.send, self.receive, self.group).index_select(0, self.order)
+        return _AllToAll.apply(rows, self.send, self.receive, self.group, self.turns).index_select(0, self.order)
 
     def combine(self, rows: torch.Tensor) -> torch.Tensor:
         """The local experts' output rows, grouped as ``dispatch`` left them -> the outputs of this rank's rows,
         sorted by global expert."""
         if self.order is None:
             return rows
-        return _AllToAll.apply(rows.index_select(0, self.home), self.receive, self.send, self.group)
+        return _AllToAll.apply(rows.index_select(0, self.home), self.receive, self.send, self.group, self.turns)

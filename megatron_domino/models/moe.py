@@ -169,7 +169,7 @@ class MoE(nn.Module):
         order = key.argsort(stable=True)
         # rows per expert by a scatter-add: CUDA's bincount would read its output size on the host
         counts = key.new_zeros(self.num_experts + 1).scatter_add_(0, key, torch.ones_like(key))
-        exchange = ExpertExchange(counts[:self.num_experts], self.ctx.ep_group)
+        exchange = ExpertExchange(counts[:self.num_experts], self.ctx.ep_group, self.ctx.turns)
         assignments = order[:sum(exchange.sizes)]
         token_ids = assignments // self.topk
         fc1 = experts_linear(exchange.dispatch(tokens[token_ids]), exchange.local_sizes,

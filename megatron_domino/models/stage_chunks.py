@@ -25,7 +25,7 @@ def build_chunks(cfg, state, places, *, dtype=torch.float32, device=None, init_s
                        cp_comm=par.cp_comm, cp_a2a_slices=par.cp_a2a_slices, cp_a2a_group=state.cp_a2a_group,
                        cp_ring_group=state.cp_ring_group, balance_group=state.dp_cp_group,
                        ep_group=state.expert_group, experts_split=state.topology.expert_tp == state.tp_size, rng=rng,
-                       fp8=Fp8Recipe.from_model(cfg.model))
+                       fp8=Fp8Recipe.from_model(cfg.model), turns=state.turns)
     plan = DominoPlan.from_config(par)
     chunks = []
     for place in places:

@@ -7,7 +7,6 @@ is process-wide by definition.
 """
 from __future__ import annotations
 
-import itertools
 import socket
 from datetime import timedelta
 
@@ -17,10 +16,8 @@ import torch.distributed as dist
 from .store_barrier import StoreBarriers
 from .strict import install_collective_checks
 from .topology import Topology
+from .turns import TurnTaking
 
-# Every rank builds its states in the same order (as torch requires of the groups they create), so the n-th
-# state has the same serial everywhere: the namespace of its store keys, distinct from every other state's.
-_SERIAL = itertools.count()
 
 
 class ParallelState:
@@ -42,6 +39,9 @@ class ParallelState:
         if strict:
             install_collective_checks()
         self.topology, self.strict, self.timeout_s = topology, strict, timeout_s
+        # torch's count of the groups made so far agrees on every rank (all ranks make the same groups in the same
+        # order, as torch requires) and grows with each state: its store keys' namespace, distinct from any other's
+        namespace = f"state-{dist.get_pg_count()}"
         self.rank = dist.get_rank()
         self.device = device if device is not None else torch.device("cpu")
         timeout = timedelta(seconds=timeout_s) if timeout_s else None
@@ -80,7 +80,8 @@ class ParallelState:
         self.dp_cp_size = self.dp_size * self.cp_size
         self.ep_size, self.ep_rank = topology.ep, coordinate.dp % topology.ep
         self.virtual_pp = topology.virtual_pp
-        self.barriers = StoreBarriers(f"state-{next(_SERIAL)}")
+        self.barriers = StoreBarriers(namespace)
+        self.turns = TurnTaking()  # where an F&B unit's halves hear of each other's waits (parallel/turns.py)
 
     def _make(self, groups: list[list[int]], timeout):
         """Every rank must create every group, in the same order; keep the one we are in."""

@@ -31,7 +31,6 @@ from torch.utils import _python_dispatch
 from .device import cuda
 
 FORWARD, BACKWARD = "forward", "backward"
-_active: Turns | None = None  # the unit being run, if any (one per process: the pipeline runs one unit at a time)
 
 
 class _Abandoned(BaseException):
@@ -50,15 +49,15 @@ class Turns:
         self._forward_done, self._backward_done, self._abandoned = False, False, False
         self._error: BaseException | None = None
 
-    def run(self, forward: Callable[[], None], backward: Callable[[], None]) -> None:
-        """Run ``forward`` on a helper thread and ``backward`` here, taking turns at their waits."""
-        global _active
-        if _active is not None:
+    def run(self, forward: Callable[[], None], backward: Callable[[], None], taking: "TurnTaking") -> None:
+        """Run ``forward`` on a helper thread and ``backward`` here, taking turns at the waits ``taking`` (the run's)
+        announces."""
+        if taking.active is not None:
             raise RuntimeError("an F&B unit is already running its halves in turns; units do not nest")
         setup = _thread_setup(self.device)
         self._forward_thread = threading.Thread(target=self._forward_side, args=(forward, setup),
                                                 name="f&b-forward", daemon=True)
-        _active = self
+        taking.active = self
         try:
             self._forward_thread.start()
             self._wait_for(BACKWARD)
@@ -68,7 +67,7 @@ class Turns:
             raise
         finally:
             self._finish_forward()
-            _active = None
+            taking.active = None
         if self._error is not None:
             raise self._error
 
@@ -119,18 +118,36 @@ class Turns:
         return threading.current_thread() is not self._forward_thread and not self._forward_done
 
 
-def before_forward_wait() -> None:
-    """The forward is about to wait for its communication: the backward computes meanwhile (no-op outside a unit)."""
-    turns = _active
-    if turns is not None and turns._forward_may_hand_over():
-        turns._hand_to(BACKWARD)
+class TurnTaking:
+    """A run's place for its F&B unit (one per run: its parallel state's ``turns``; the pipeline runs one unit at a
+    time): the waits of its layers announce themselves here, and hand over while a unit runs in turns."""
+
+    def __init__(self):
+        self.active: Turns | None = None  # the unit running in turns, if any
+
+    def before_forward_wait(self) -> None:
+        """The forward is about to wait for its communication: the backward computes meanwhile (no-op outside a
+        unit)."""
+        turns = self.active
+        if turns is not None and turns._forward_may_hand_over():
+            turns._hand_to(BACKWARD)
+
+    def before_backward_wait(self) -> None:
+        """The backward is about to wait for its communication: the forward computes meanwhile (no-op outside a
+        unit)."""
+        turns = self.active
+        if turns is not None and turns._backward_may_hand_over():
+            turns._hand_to(FORWARD)
 
 
-def before_backward_wait() -> None:
-    """The backward is about to wait for its communication: the forward computes meanwhile (no-op outside a unit)."""
-    turns = _active
-    if turns is not None and turns._backward_may_hand_over():
-        turns._hand_to(FORWARD)
+def before_forward_wait(taking: TurnTaking | None) -> None:
+    if taking is not None:
+        taking.before_forward_wait()
+
+
+def before_backward_wait(taking: TurnTaking | None) -> None:
+    if taking is not None:
+        taking.before_backward_wait()
 
 
 class _Modes:

@@ -54,7 +54,8 @@ class PipelineEngine:
         self.executor = PipelineExecutor(chunks, self.stage,
                                          transport(device, state.timeout_s, par.variable_seq_lengths),
                                          loss_fn=self._loss, on_backward=on_backward,
-                                         overlap_units=device if f_and_b_turns(par) else None)
+                                         overlap_units=device if f_and_b_turns(par) else None,
+                                         turn_taking=state.turns)
         self.device = device
 
     def _loss(self, per_token: torch.Tensor, batch: dict):

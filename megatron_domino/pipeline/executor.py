@@ -50,15 +50,16 @@ def _release(output: torch.Tensor) -> None:
 class PipelineExecutor:
     def __init__(self, chunks: list, stage: StageContext, p2p: P2P, *,
                  loss_fn: Callable, on_backward: Callable[[bool], None] | None = None,
-                 overlap_units: torch.device | None = None):
+                 overlap_units: torch.device | None = None, turn_taking=None):
         """``loss_fn(per_token_loss, batch) -> (loss_to_backprop, detached loss sum)`` on the last stage;
         ``on_backward(is_last)`` is called before every backward, B, I and W, all of which may produce weight
         gradients (B under Domino: ``split_backward``), with whether it is the last of its kind (the DP
         gradient sync's hook). ``overlap_units``: the device on which F&B units run their halves in turns
-        (None: in sequence); ``handovers`` counts the turns taken."""
+        (None: in sequence), at the waits the run's ``turn_taking`` (``parallel.turns.TurnTaking``) hears of;
+        ``handovers`` counts the turns taken."""
         self.chunks, self.stage, self.p2p = chunks, stage, p2p
         self.loss_fn, self.on_backward = loss_fn, on_backward
-        self.overlap_units, self.handovers = overlap_units, 0
+        self.overlap_units, self.turn_taking, self.handovers = overlap_units, turn_taking, 0
         self.num_stages = stage.pp * stage.virtual_pp
         self.current: Instruction | TransferGroup | None = None
         self.waiting: Arrival | None = None  # the receive being waited for, for hang reports
@@ -126,7 +127,7 @@ class PipelineExecutor:
             return
         turns = Turns(self.overlap_units)
         turns.run(lambda: self._compute(unit.forward, microbatches, losses),
-                  lambda: self._compute(unit.backward, microbatches, losses))
+                  lambda: self._compute(unit.backward, microbatches, losses), self.turn_taking)
         self.handovers += turns.handovers
 
     def _exchange(self, group: TransferGroup) -> None:

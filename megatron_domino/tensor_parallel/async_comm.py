@@ -121,8 +121,8 @@ class PendingInputGradient:
     Without SP each piece is all-reduced; under SP each is reduce-scattered to this rank's sequence slice.
     """
 
-    def __init__(self, group, pieces: int, sequence_parallel: bool = False):
-        self.group, self.pieces = group, pieces
+    def __init__(self, group, pieces: int, sequence_parallel: bool = False, turns=None):
+        self.group, self.pieces, self.turns = group, pieces, turns
         self.sequence_parallel = sequence_parallel and comm.group_size(group) > 1
         self.work: list[tuple[torch.Tensor, slice, object, object]] = []
         self.grad: torch.Tensor | None = None
@@ -179,7 +179,7 @@ class WaitForInputGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        turns.before_backward_wait()  # in an overlapped F&B unit, the forward computes meanwhile
+        turns.before_backward_wait(ctx.pending.turns)  # in an overlapped F&B unit, the forward computes meanwhile
         return ctx.pending.finish(grad), None
 
 
@@ -207,10 +207,10 @@ class LinearWithAsyncInputGradient(torch.autograd.Function):
         return *linear_backward(ctx, grad_output, launch), None, None
 
 
-def column_linear_async(x, weight, bias, group, pieces: int, sequence_parallel: bool = False, fp8=None):
+def column_linear_async(x, weight, bias, group, pieces: int, sequence_parallel: bool = False, fp8=None, turns=None):
     """A column-parallel linear whose backward overlaps the input-gradient all-reduce with weight-gradient work
-    (``fp8``: the linear's ``LinearScaling``, its products in FP8)."""
-    pending = PendingInputGradient(group, pieces, sequence_parallel)
+    (``fp8``: the linear's ``LinearScaling``, its products in FP8; ``turns``: the run's ``TurnTaking``)."""
+    pending = PendingInputGradient(group, pieces, sequence_parallel, turns)
     return LinearWithAsyncInputGradient.apply(WaitForInputGradient.apply(x, pending), weight, bias, pending, fp8)
 
 

@@ -34,6 +34,7 @@ class LayerContext:
     experts_split: bool = True  # experts split over TP like the MLP; False: whole, shared out over tp x ep
     rng: RNGTracker | None = None  # the run's dropout streams; None: one TP rank's default stream serves
     fp8: object = None  # an ``fp8.scaling.Fp8Recipe``: attention's and the MLP's linears multiply in FP8
+    turns: object = None  # the run's ``parallel.turns.TurnTaking``: its waits hand over inside an F&B unit
 
     def __post_init__(self):
         object.__setattr__(self, "sequence_parallel", bool(self.sequence_parallel) and self.size > 1)

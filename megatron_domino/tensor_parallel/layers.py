@@ -32,7 +32,7 @@ def fp8_scaling(ctx: LayerContext, split: tuple[int, ...]) -> LinearScaling | No
 def column_parallel_linear(x, weight, bias, ctx: LayerContext, fp8: LinearScaling | None = None):
     """The column-parallel product with its TP entry: Domino async, SP all-gather, or Megatron's copy."""
     if ctx.grad_pieces > 0:
-        return column_linear_async(x, weight, bias, ctx.group, ctx.grad_pieces, ctx.sequence_parallel, fp8)
+        return column_linear_async(x, weight, bias, ctx.group, ctx.grad_pieces, ctx.sequence_parallel, fp8, ctx.turns)
     if ctx.sequence_parallel:
         return linear(comm.gather_from_sp(x, ctx.group), weight, bias, fp8)
     return linear(comm.copy_to_tp(x, ctx.group), weight, bias, fp8)

@@ -95,7 +95,7 @@ def column_linear_in_parts(x, weight, bias, ctx: LayerContext, groups: int, firs
     rank's piece of a column-parallel linear with its TP entry as ``layers.column_parallel_linear`` has it."""
     pending = None
     if ctx.grad_pieces > 0:
-        pending = PendingInputGradient(ctx.group, ctx.grad_pieces, ctx.sequence_parallel)
+        pending = PendingInputGradient(ctx.group, ctx.grad_pieces, ctx.sequence_parallel, ctx.turns)
         x = WaitForInputGradient.apply(x, pending)
     elif ctx.sequence_parallel:
         x = comm.gather_from_sp(x, ctx.group)

@@ -40,7 +40,7 @@ def parse_args(argv, family: str):
 
 
 def main(argv=None, family: str = "GPT") -> int:
-    remember_early_warnings()
+    early = remember_early_warnings()
     args = parse_args(sys.argv[1:] if argv is None else argv, family)
     world = args.world_size or launched_world_size() or 1
     try:
@@ -64,7 +64,7 @@ def main(argv=None, family: str = "GPT") -> int:
         return show_run(cfg.parallel, cfg.train.num_microbatches(Topology.from_config(cfg.parallel, world).dp))
     from .trainer import run
     try:
-        run(cfg, eval_only=args.eval_only)
+        run(cfg, eval_only=args.eval_only, early=early)
     except BaseException as error:  # noqa: BLE001 - reported once with coordinates, then a non-zero exit
         if isinstance(error, SystemExit) and not error.code:
             raise

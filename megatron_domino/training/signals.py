@@ -23,22 +23,35 @@ from ..parallel.device import cuda
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 INTERRUPTED = 128 + signal.SIGINT  # the shell's status for a process ended by Ctrl-C
-_early: list[int] = []  # slurm's warnings received before training began
+class EarlySignals:
+    """Signals received before training began, kept by the run for its first steps (``remember_early_warnings``)."""
+
+    def __init__(self):
+        self.received: list[int] = []
+
+    def take(self) -> int | None:
+        """The first signal received (None: none), forgotten once taken: it is acted on once."""
+        first = self.received[0] if self.received else None
+        self.received.clear()
+        return first
 
 
-def remember_early_warnings() -> None:
+def remember_early_warnings() -> EarlySignals:
     """Call first thing: slurm's warning (SIGUSR1) may come while the run is still starting (an index build or a
     checkpoint load takes minutes at scale), where its default action would kill the rank and the job would not be
-    requeued (scripts/slurm/launch.sh requeues a run that saved and exited 0). It is remembered, and training acts
-    on it at its first steps. SIGTERM and SIGINT keep their defaults until then: they end a start that has nothing
-    new to save (torchrun also sends SIGTERM to every rank when one fails)."""
-    signal.signal(signal.SIGUSR1, lambda signum, frame: _early.append(signum))
+    requeued (scripts/slurm/launch.sh requeues a run that saved and exited 0). It is remembered in the returned
+    ``EarlySignals``, which the run hands to its ``PreemptionHandler`` to act on at its first steps. SIGTERM and
+    SIGINT keep their defaults until then: they end a start that has nothing new to save (torchrun also sends
+    SIGTERM to every rank when one fails)."""
+    early = EarlySignals()
+    signal.signal(signal.SIGUSR1, lambda signum, frame: early.received.append(signum))
+    return early
 
 
 class PreemptionHandler:
-    def __init__(self, device: torch.device):
-        self.received: int | None = _early[0] if _early else None
-        _early.clear()
+    def __init__(self, device: torch.device, early: EarlySignals | None = None):
+        """``early``: the signals the run remembered while it started (``remember_early_warnings``)."""
+        self.received: int | None = early.take() if early is not None else None
         self._flag = torch.zeros(1, device=device)
         self._host = torch.zeros(1, pin_memory=True) if self._flag.is_cuda else self._flag
         self._copied = cuda.Event() if self._flag.is_cuda else None

@@ -35,7 +35,7 @@ from .data_feed import DataFeed
 from .guard import BadStepGuard
 from .instruments import build_instruments
 from .samples import TrainingSamples
-from .signals import PreemptionHandler
+from .signals import EarlySignals, PreemptionHandler
 from .step_log import StepLog
 from .watchdog import Watchdog
 
@@ -217,9 +217,11 @@ class Trainer:
             records.append(record)
         return records[0]
 
-    def train(self) -> None:
+    def train(self, early: EarlySignals | None = None) -> None:
+        """``early``: signals received while the run started (``signals.remember_early_warnings``), acted on at the
+        first steps."""
         cfg, cadence = self.cfg, self.cadence
-        preemption = PreemptionHandler(self.device)
+        preemption = PreemptionHandler(self.device, early)
         log, first_step = StepLog(cfg, self), self.step
         try:
             while not cadence.done(self.step):
@@ -275,13 +277,13 @@ class Trainer:
         self.state.destroy()
 
 
-def run(cfg, eval_only: bool = False) -> None:
+def run(cfg, eval_only: bool = False, early: EarlySignals | None = None) -> None:
     trainer = Trainer(cfg, writes_checkpoints=not eval_only)
     try:
         if eval_only:
             trainer.evaluate()
         else:
-            trainer.train()
+            trainer.train(early)
     except BaseException as error:
         trainer.watchdog.report_failure(error)
         trainer.release_checkpoint_dir()
