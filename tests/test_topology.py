@@ -182,8 +182,28 @@ def _check_real_groups(rank, world_size):
     assert not mpu.model_parallel_is_initialized()
     table = mpu.initialize_model_parallel(2, 2).rank_map()
     assert mpu.get_data_parallel_world_size() == 2
+    _megatron_style_lookup()
     mpu.destroy_model_parallel()
     return table
+
+
+def _megatron_style_lookup():
+    """Code written for Megatron-LM, unchanged: a vocab-parallel embedding lookup (each TP rank holds a slice of the
+    table, masks the tokens outside it and the TP group sums), then a data-parallel gradient average, through mpu
+    alone. Equals the whole table's lookup."""
+    vocab, hidden = 8, 3
+    table = torch.arange(vocab * hidden, dtype=torch.float32).view(vocab, hidden)
+    per_rank = vocab // mpu.get_tensor_model_parallel_world_size()
+    first = mpu.get_tensor_model_parallel_rank() * per_rank
+    tokens = torch.tensor([0, 3, 5, 7])
+    outside = (tokens < first) | (tokens >= first + per_rank)
+    local = table[first:first + per_rank][(tokens - first).masked_fill(outside, 0)]
+    local[outside] = 0.0
+    dist.all_reduce(local, group=mpu.get_tensor_model_parallel_group())
+    assert torch.equal(local, table[tokens])
+    grad = torch.full((1,), float(mpu.get_data_parallel_rank()))
+    dist.all_reduce(grad, group=mpu.get_data_parallel_group())
+    assert grad.item() == sum(range(mpu.get_data_parallel_world_size()))
 
 
 def test_eight_real_ranks_collective_on_every_group():
