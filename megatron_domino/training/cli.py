@@ -62,7 +62,7 @@ def main(argv=None, family: str = "GPT") -> int:
     if args.print_schedule:  # the run's own schedule: its kind, and micro-batches per DP rank as the trainer counts
         from ..pipeline.print_schedule import show_run
         return show_run(cfg.parallel, cfg.train.num_microbatches(Topology.from_config(cfg.parallel, world).dp))
-    from .trainer import run
+    from .run import run
     try:
         run(cfg, eval_only=args.eval_only, early=early)
     except BaseException as error:  # noqa: BLE001 - reported once with coordinates, then a non-zero exit

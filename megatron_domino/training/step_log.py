@@ -3,61 +3,66 @@ MFU, memory, ETA, and the MoE and timer details when they apply."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Callable
 
-from ..models.counters import flops_per_token
+import torch
+
 from ..parallel.device import cuda
-from .metrics import device_peak_tflops, format_train_line, memory_gib
-from .moe_metrics import moe_metrics
+from .metrics import format_train_line, memory_gib
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step leaves for the log; its tensors are read on the host only when a window ends."""
+
+    step: int  # steps done
+    loss: torch.Tensor
+    lr: float
+    grad_norm: torch.Tensor | None
+    consumed_samples: int
+    skipped_steps: int  # steps not applied so far (fp16 overflows, the bad-step guard's refusals)
+    mtp_loss: torch.Tensor | None = None  # multi-token prediction's loss per depth
+    loss_scale: float | None = None  # fp16's
 
 
 class StepLog:
-    """Times windows of ``log.interval`` steps (closed by a device sync, so they include the queued GPU work)
-    and writes one record per window through ``metrics``; the values are read on the host only then."""
+    """Times windows of steps that end where ``logs(step)`` (``cadence.StepCadence.logs``), closed by a device sync
+    so that they include the queued GPU work, and writes one record per window through ``write(record, line)``;
+    ``window_extras()`` adds what is read only then (MoE balance, packing imbalance, timers). ``tokens_per_step``
+    and ``flops_per_step`` are the job's; ``peak`` the device's TFLOP/s (None: no MFU)."""
 
-    def __init__(self, cfg, trainer):
-        self.cfg, self.trainer = cfg, trainer
-        self.tokens_per_step = trainer.cadence.tokens_per_step
-        self.flops_per_step = flops_per_token(cfg.model, cfg.model.seq_length) * self.tokens_per_step
-        self.peak = device_peak_tflops(trainer.device, cfg.log.peak_tflops)
+    def __init__(self, *, logs: Callable[[int], bool], steps: int, first_step: int, tokens_per_step: int,
+                 flops_per_step: float, world_size: int, peak: float | None, device: torch.device,
+                 write: Callable[[dict, str], None], window_extras: Callable[[], dict]):
+        self.logs, self.steps, self.world_size, self.peak, self.device = logs, steps, world_size, peak, device
+        self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
+        self.write, self.window_extras = write, window_extras
         self.start = self.window_start = time.perf_counter()
-        self.first_step, self.window_steps = trainer.step, 0
+        self.first_step, self.window_steps = first_step, 0
 
-    def after_step(self, result: dict) -> None:
+    def after_step(self, record: StepRecord) -> None:
         """Count the step; at the end of a window, write its record."""
-        trainer = self.trainer
         self.window_steps += 1
-        if not trainer.cadence.logs(trainer.step):
+        if not self.logs(record.step):
             return
-        if trainer.device.type == "cuda":
-            cuda.synchronize(trainer.device)
+        if self.device.type == "cuda":
+            cuda.synchronize(self.device)
         now = time.perf_counter()
         step_time = (now - self.window_start) / self.window_steps
-        self._write(result, step_time, (now - self.start) / (trainer.step - self.first_step))
+        self._write(record, step_time, (now - self.start) / (record.step - self.first_step))
         self.window_start, self.window_steps = time.perf_counter(), 0
 
-    def _write(self, result: dict, step_time: float, mean_step_time: float) -> None:
-        trainer, cfg = self.trainer, self.cfg
-        in_use, peak_mem = memory_gib(trainer.device)
-        tflops = self.flops_per_step / step_time / trainer.state.topology.world_size / 1e12
-        grad_norm = result["grad_norm"].item() if result["grad_norm"] is not None else None
-        guard = trainer.guard
-        record = {"step": trainer.step, "loss": result["loss"].item(), "lr": result["lr"], "grad_norm": grad_norm,
-                  "skipped_steps": trainer.optimizer.skipped_steps + (guard.skipped if guard else 0),
-                  "tokens_per_s": self.tokens_per_step / step_time,
+    def _write(self, step: StepRecord, step_time: float, mean_step_time: float) -> None:
+        in_use, peak_mem = memory_gib(self.device)
+        tflops = self.flops_per_step / step_time / self.world_size / 1e12
+        record = {"step": step.step, "loss": step.loss.item(), "lr": step.lr,
+                  "grad_norm": step.grad_norm.item() if step.grad_norm is not None else None,
+                  "skipped_steps": step.skipped_steps, "tokens_per_s": self.tokens_per_step / step_time,
                   "tflops_per_device": tflops, "mfu": tflops / self.peak if self.peak else None,
                   "mem_gib": in_use, "mem_peak_gib": peak_mem, "step_time_s": step_time,
-                  "eta_s": mean_step_time * (cfg.train.steps - trainer.step),
-                  "consumed_samples": trainer.data.consumed}
-        if cfg.train.fp16:
-            record["loss_scale"] = trainer.optimizer.loss_scale
-        if result.get("mtp_loss") is not None:  # multi-token prediction's loss per depth, logged on its own
-            record["mtp_loss"] = result["mtp_loss"].item()
-        if trainer.data.balancer is not None:  # balanced packing: the window's imbalance before and after
-            record.update(trainer.data.balancer.take())
-        if cfg.model.num_experts:
-            record.update(moe_metrics(trainer.chunks, cfg.model, trainer.device))
-        if cfg.log.timers:
-            trainer.timers.add("p2p-wait", trainer.engine.executor.p2p.take_wait_seconds())
-            record["timers_ms"] = trainer.timers.report()
-        trainer.metrics.write({k: v for k, v in record.items() if v is not None},
-                              format_train_line(record, cfg.train.steps))
+                  "eta_s": mean_step_time * (self.steps - step.step), "consumed_samples": step.consumed_samples,
+                  "loss_scale": step.loss_scale,
+                  "mtp_loss": step.mtp_loss.item() if step.mtp_loss is not None else None}
+        record = {k: v for k, v in {**record, **self.window_extras()}.items() if v is not None}
+        self.write(record, format_train_line(record, self.steps))

@@ -1,7 +1,8 @@
 """The training loop: pipeline schedule with Domino inside, ZeRO step, LR schedule, metrics, checkpoints.
 
-``run(cfg)`` is what the entry points call once the config is loaded and validated. Every
-rank runs the same loop; only the last stage's first rank writes metrics.
+``training.run.run(cfg)`` builds it and runs it for the entry points. Every rank runs the same loop; only the last
+stage's first rank writes metrics. A step's stretches of work are named by ``status.Status`` (hang reports, timers,
+profiles); the log gets a ``StepRecord`` per step.
 """
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from ..config.loader import save_config
 from ..fp8.state import end_step as fp8_end_step
+from ..models.counters import flops_per_token
 from ..models.expert_bias import update_expert_biases
 from ..models.language_model import WORD_EMBEDDINGS
 from ..models.stage_chunks import build_chunks
@@ -22,7 +23,7 @@ from ..optim import LRSchedule
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..parallel import Topology, init_distributed
 from ..parallel.attempt import current_attempt
-from ..parallel.launch import collective_timeout_s, shutdown_distributed
+from ..parallel.launch import collective_timeout_s
 from ..parallel.random import RNGTracker
 from ..parallel.state import ParallelState
 from ..pipeline.engine import PipelineEngine
@@ -36,7 +37,10 @@ from .guard import BadStepGuard
 from .instruments import build_instruments
 from .samples import TrainingSamples
 from .signals import EarlySignals, PreemptionHandler
-from .step_log import StepLog
+from .status import Status
+from .moe_metrics import moe_metrics
+from .metrics import device_peak_tflops
+from .step_log import StepLog, StepRecord
 from .watchdog import Watchdog
 
 
@@ -82,11 +86,11 @@ class Trainer:
         self.engine = PipelineEngine(self.chunks, self.state, cfg, device=self.device, dtype=self.dtype,
                                      num_microbatches=train.num_microbatches(self.state.dp_size),
                                      on_backward=self.optimizer.begin_backward)
-        self.step, self.phase = 0, "start-up"
-        self.watchdog = Watchdog(self.state, par.timeout_s, self.describe)
         writer = self.engine.holds_loss and self.state.tp_rank == self.state.dp_rank == self.state.cp_rank == 0
         self.metrics, self.timers, self.profile, self.oom, self.stragglers = build_instruments(
             cfg, self.state, self.device, writer)
+        self.step, self.status = 0, Status(self.timers)
+        self.watchdog = Watchdog(self.state, par.timeout_s, self.describe)
         self.guard = (BadStepGuard(train.on_bad_step, train.spike_factor, train.spike_window, self.state.rank,
                                    self.state.topology.world_size, train.on_bad_step_after_rerun)
                       if train.on_bad_step else None)
@@ -98,6 +102,10 @@ class Trainer:
         if self.state.rank == 0:
             save_config(cfg, os.path.join(cfg.log.dir, "config.yaml"))
         self._maybe_load()
+
+    @property
+    def phase(self) -> str:
+        return self.status.phase
 
     def describe(self) -> str:
         """What this rank is doing now (the watchdog reports it if it stops changing)."""
@@ -131,8 +139,8 @@ class Trainer:
         ckpt = self.cfg.checkpoint
         if not ckpt.dir:
             return
-        self.phase = "saving a checkpoint"
-        with self.watchdog.watching(save_phase(self.cfg, self.state.barriers)) as phase:
+        with self.status("saving a checkpoint"), self.watchdog.watching(save_phase(self.cfg, self.state.barriers)) \
+                as phase:
             path = self.checkpointer.save(ckpt.dir, self.step, chunks=self.chunks, optimizer=self.optimizer,
                                           lr_schedule=self.lr_schedule, consumed_samples=self.data.consumed,
                                           keep=ckpt.keep, phase=phase)
@@ -150,11 +158,8 @@ class Trainer:
 
     # ----- the loop -----------------------------------------------------------------------------
     def train_step(self) -> dict:
-        self.phase = "data"
-        self.timers.start("data")
-        with record_function("data loading"):
+        with self.status("data", timer="data", profile="data loading"):
             microbatches = self.data.next_train_step()
-        self.timers.stop("data")
         lr = self.lr_schedule.lr_at(self.step)
         rerun = self.guard is not None and self.guard.action == "rerun"
         streams = self.rng.capture() if rerun else None  # the random streams the step starts from (dropout)
@@ -169,7 +174,6 @@ class Trainer:
         self.lr_schedule.step()
         self.step += 1
         self.data.count_step()
-        self.phase = "logging"
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "mtp_loss": self.engine.mtp_loss,
                 "bad_step": self.guard.problem if self.guard is not None else None}
 
@@ -177,39 +181,34 @@ class Trainer:
         """Forward, backward and the update of this step (not applied if the guard refuses it): (loss, gradient
         norm)."""
         self.optimizer.zero_grad()
-        self.phase = "forward-backward"
-        self.timers.start("forward-backward")
-        if self.stragglers is not None:
-            self.stragglers.start(self.step + 1)
-        loss = self.engine.forward_backward(microbatches, self.optimizer.loss_scale)
-        if self.stragglers is not None:
-            self.stragglers.finish(self.step + 1)
-        self.phase = "gradient finalisation (data parallel, tied embeddings, sequence parallel)"
-        finalize_grads(self.chunks, self.state, self.optimizer)
-        self.timers.stop("forward-backward")
-        self.phase = "optimizer step"
-        self.timers.start("optimizer")
-        with record_function("optimizer step"):
+        with self.status("forward-backward", timer="forward-backward"):
+            if self.stragglers is not None:
+                self.stragglers.start(self.step + 1)
+            loss = self.engine.forward_backward(microbatches, self.optimizer.loss_scale)
+            if self.stragglers is not None:
+                self.stragglers.finish(self.step + 1)
+            with self.status("gradient finalisation (data parallel, tied embeddings, sequence parallel)"):
+                finalize_grads(self.chunks, self.state, self.optimizer)
+        with self.status("optimizer step", timer="optimizer", profile="optimizer step"):
             stepped, grad_norm = self.optimizer.step(lr, self.guard.judge(self.step + 1, loss) if self.guard else None)
             if stepped:
                 update_expert_biases(self.chunks, self.state.dp_cp_group)
             fp8_end_step(self.chunks, (self.state.tp_group, self.state.dp_cp_group), applied=stepped)
-        self.timers.stop("optimizer")
         return loss, grad_norm
 
     def evaluate(self) -> dict:
         if self.samples is not None:  # greedy continuations of eval.sample_prompts
-            self.phase = "evaluation: samples"
-            self.samples.write(self.step, self.metrics, self.optimizer)
+            with self.status("evaluation: samples"):
+                self.samples.write(self.step, self.metrics, self.optimizer)
         sets = ([None] if self.data.has_validation else []) + list(self.data.eval_sets)  # None: the data's split
         if not sets:
             self._log_once("no validation split (data.split gives it no share) and no eval.path: nothing to evaluate")
             return {}
-        self.phase = "evaluation"
         iters, records = self.cfg.train.eval_iters, []
         for name in sets:
             steps = self.data.validation_steps(iters, name)
-            loss = (sum(self.engine.evaluate(batches) for batches in steps) / iters).item()
+            with self.status("evaluation"):
+                loss = (sum(self.engine.evaluate(batches) for batches in steps) / iters).item()
             record = {"step": self.step, "split": "valid", "loss": loss, "ppl": math.exp(min(loss, 50.0))}
             where = "validation" if name is None else f"validation on {name}"
             self.metrics.write(record if name is None else dict(record, set=name),
@@ -222,7 +221,7 @@ class Trainer:
         first steps."""
         cfg, cadence = self.cfg, self.cadence
         preemption = PreemptionHandler(self.device, early)
-        log, first_step = StepLog(cfg, self), self.step
+        log, first_step = self._step_log(), self.step
         try:
             while not cadence.done(self.step):
                 cadence.sync_debug(self.step - first_step >= 2 and not cadence.reads_host(self.step + 1))
@@ -234,10 +233,13 @@ class Trainer:
                     self.profile.after_step(self.step)
                 if result["bad_step"]:
                     self._report_bad_step(result["bad_step"])
-                log.after_step(result)
+                with self.status("logging"):
+                    log.after_step(self._step_record(result))
                 if cadence.evaluates(self.step):
                     self.evaluate()
-                if preemption.should_stop():  # decided one step after the signal, without a host sync
+                with self.status("the preemption flag's all-reduce"):
+                    stop = preemption.should_stop()
+                if stop:  # decided one step after the signal, without a host sync
                     cadence.sync_debug(False)
                     self._log_once(f"preemption signal received: saving at step {self.step} and exiting")
                     self.save()
@@ -258,6 +260,29 @@ class Trainer:
                 self.profile.close()
             preemption.close(finish=sys.exc_info()[0] is None)
 
+    def _step_log(self) -> StepLog:
+        cfg, tokens = self.cfg, self.cadence.tokens_per_step
+        return StepLog(logs=self.cadence.logs, steps=cfg.train.steps, first_step=self.step, tokens_per_step=tokens,
+                       flops_per_step=flops_per_token(cfg.model, cfg.model.seq_length) * tokens,
+                       world_size=self.state.topology.world_size, device=self.device,
+                       peak=device_peak_tflops(self.device, cfg.log.peak_tflops), write=self.metrics.write,
+                       window_extras=self._window_extras)
+
+    def _step_record(self, result: dict) -> StepRecord:
+        skipped = self.optimizer.skipped_steps + (self.guard.skipped if self.guard else 0)
+        return StepRecord(self.step, result["loss"], result["lr"], result["grad_norm"], self.data.consumed, skipped,
+                          result["mtp_loss"], self.optimizer.loss_scale if self.cfg.train.fp16 else None)
+
+    def _window_extras(self) -> dict:
+        """What a log window's record adds, read only then: packing imbalance, MoE balance, timers."""
+        extras = self.data.balancer.take() if self.data.balancer is not None else {}
+        if self.cfg.model.num_experts:
+            extras.update(moe_metrics(self.chunks, self.cfg.model, self.device))
+        if self.cfg.log.timers:
+            self.timers.add("p2p-wait", self.engine.executor.p2p.take_wait_seconds())
+            extras["timers_ms"] = self.timers.report()
+        return extras
+
     def _report_bad_step(self, problem: str) -> None:
         """Every rank knows the bad step; the metrics rank records it (JSONL and console), and under
         train.on_bad_step=stop every rank saves the last good step and stops."""
@@ -276,21 +301,3 @@ class Trainer:
         self.metrics.close()
         self.state.destroy()
 
-
-def run(cfg, eval_only: bool = False, early: EarlySignals | None = None) -> None:
-    trainer = Trainer(cfg, writes_checkpoints=not eval_only)
-    try:
-        if eval_only:
-            trainer.evaluate()
-        else:
-            trainer.train(early)
-    except BaseException as error:
-        trainer.watchdog.report_failure(error)
-        trainer.release_checkpoint_dir()
-        raise
-    if trainer.metrics.enabled:
-        print(f"metrics: {trainer.metrics.jsonl_path}"
-              + (f" | tensorboard: {os.path.join(cfg.log.dir, 'tensorboard')}" if cfg.log.tensorboard else ""),
-              flush=True)
-    trainer.close()
-    shutdown_distributed()
