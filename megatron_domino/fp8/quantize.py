@@ -3,13 +3,16 @@
 An operand is 2-D and its last dimension is the one the GEMM contracts. Its scale is what dequantises it
 (value = fp8 number x scale, Transformer Engine's ``scale_inv``): one number for the whole tensor, or one per
 row and per tile of ``block`` columns ([rows, cols / block]), which covers DeepSeek-V3's 1 x 128 activation
-tiles and, repeated over a block's rows, its 128 x 128 weight blocks. With tiles the GEMM runs one
-row-wise-scaled product per tile column and sums them in fp32, which is DeepSeek's "promotion" at every
-block of the contraction; on CUDA, 128-wide tiles go to cuBLAS's blockwise kernel in one call where it exists
-(``native_blockwise``); otherwise ``torch._scaled_mm`` does each product on CUDA. On the CPU, torch's
-``_scaled_mm`` upcasts the operands, scales them and multiplies in fp32, through a kernel 100 to 2,000 times
-slower than an fp32 GEMM (0.2 s for 256 x 64 x 192 on a 2-core Xeon); ``_product`` does those same steps with
-ATen's fast ops, and a test holds it bit-equal to ``torch._scaled_mm``.
+tiles and, repeated over a block's rows, its 128 x 128 weight blocks. Tiled operands go to cuBLAS's blockwise
+kernel in one call where it exists and reads the scales right (``native_blockwise``); elsewhere they are
+dequantised (each tile's numbers times its scale, in the output's 16-bit dtype or fp32) and multiplied in one
+GEMM, which accumulates in fp32: with power-of-two scales the dequantised values are exact, so this is the
+blockwise product of an fp32-accumulating kernel, on any build and device, and needs no FP8 GEMM at all (a
+row-wise-scaled FP8 GEMM per tile column, the earlier loop, asked CUDA < 12.9 builds' CUTLASS kernel for an
+fp32 output it refuses, and ran K / 128 GEMMs). Tensorwise operands go to ``torch._scaled_mm``. On the CPU,
+torch's ``_scaled_mm`` upcasts the operands, scales them and multiplies in fp32, through a kernel 100 to 2,000
+times slower than an fp32 GEMM (0.2 s for 256 x 64 x 192 on a 2-core Xeon); ``_product`` does those same steps
+with ATen's fast ops, and a test holds it bit-equal to ``torch._scaled_mm``.
 """
 from __future__ import annotations
 
@@ -188,12 +191,12 @@ def scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, out: torch.Ten
     if a.block == native_blockwise.BLOCK and a.tile_rows == 1:
         if native_blockwise.product(a.data, a.scale, b.data, b.scale, b.tile_rows, out) is not None:
             return out
-    block, cols = a.block, a.data.shape[1]
-    total = None
-    for tile, start in enumerate(range(0, cols, block)):
-        columns = slice(start, min(start + block, cols))
-        part = _product(a.data[:, columns].contiguous(), b.data[:, columns].contiguous().t(),
-                        a.scale[:, tile:tile + 1].contiguous(), b.scale[:, tile:tile + 1].reshape(1, -1).contiguous(),
-                        torch.float32)
-        total = part if total is None else total.add_(part)
-    return out.copy_(total)
+    dtype = out.dtype if out.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    return torch.matmul(dequantized(a, dtype), dequantized(b, dtype).t(), out=out)
+
+
+def dequantized(q: Quantized, dtype: torch.dtype) -> torch.Tensor:
+    """A tiled operand's values in ``dtype``: each tile's FP8 numbers times its scale (exact for power-of-two
+    scales in bf16 or fp32, whose exponents span FP8's)."""
+    scale = q.scale.repeat_interleave(q.block, 1)[:, :q.data.shape[1]]
+    return q.data.to(dtype) * scale.to(dtype)
