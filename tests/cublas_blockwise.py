@@ -26,23 +26,23 @@ def _read(scale: torch.Tensor, shape, strides) -> torch.Tensor:
     return padded[index]
 
 
-def reads(a_shape, n: int, scale_a, scale_b, b_blocks: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-element scales the kernel applies: a's [M, K] and b's [N, K] (b given by its rows)."""
-    (m, k), tiles = a_shape, math.ceil(a_shape[1] / BLOCK)
+def tile_reads(m: int, k: int, n: int, scale_a, scale_b, b_blocks: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scales the kernel applies, per tile: a's [M, L] and b's [N / 128, L] (blocks) or [N, L] (tiles)."""
+    tiles = math.ceil(k / BLOCK)
     a = _read(scale_a, (m, tiles), (1, m))
     if b_blocks:
-        l4 = -(-tiles // 4) * 4
-        b = _read(scale_b, (math.ceil(n / BLOCK), tiles), (l4, 1)).repeat_interleave(BLOCK, 0)[:n]
-    else:
-        b = _read(scale_b, (n, tiles), (1, n))
-    return (a.repeat_interleave(BLOCK, 1)[:, :k], b.repeat_interleave(BLOCK, 1)[:, :k])
+        return a, _read(scale_b, (math.ceil(n / BLOCK), tiles), (-(-tiles // 4) * 4, 1))
+    return a, _read(scale_b, (n, tiles), (1, n))
 
 
-def cublas(a, b_t, scale_a, scale_b, b_blocks: bool, out, calls: list):
-    b = b_t.t()
-    sa, sb = reads(tuple(a.shape), b.shape[0], scale_a, scale_b, b_blocks)
-    calls.append(("128x128" if b_blocks else "1x128", tuple(a.shape), tuple(b.shape)))
-    return out.copy_((a.double() * sa.double()) @ (b.double() * sb.double()).t())
+def cublas(a, b_t, scale_a, scale_b, b_blocks: bool, out):
+    """The product as the kernel computes it from what it reads (in fp64, rounded once to ``out``'s dtype)."""
+    b, (m, k) = b_t.t(), a.shape
+    sa, sb = tile_reads(m, k, b.shape[0], scale_a, scale_b, b_blocks)
+    if b_blocks:
+        sb = sb.repeat_interleave(BLOCK, 0)[:b.shape[0]]
+    sa, sb = (s.double().repeat_interleave(BLOCK, 1)[:, :k] for s in (sa, sb))
+    return out.copy_((a.double() * sa) @ (b.double() * sb).t())
 
 
 def _has(scale, shape, strides) -> bool:
@@ -50,27 +50,41 @@ def _has(scale, shape, strides) -> bool:
                                                       for n, s, want in zip(shape, scale.stride(), strides))
 
 
-def fronts(calls: list):
-    """(v1, v2): ``native_blockwise._v1`` and ``_v2`` as torch's checks and cuBLAS's reading make them."""
+def v1_checks(a, b_t, scale_a, scale_b):
+    """ATen's v1 checks; what cuBLAS then gets: (scale_a, scale_b, whether b's are blocks)."""
+    (m, k), n = a.shape, b_t.shape[1]
+    tiles = math.ceil(k / BLOCK)
+    if not _has(scale_a, (m, tiles), (1, m)):
+        raise RuntimeError("Invalid scaling configuration (scale_a)")
+    rows = scale_b.t()  # ATen checks b's rows: mat2's transpose
+    if _has(rows, (math.ceil(n / BLOCK), tiles), (tiles, 1)):
+        return scale_a, scale_b, True
+    if _has(rows, (n, tiles), (1, n)):
+        return scale_a, rows, False
+    raise RuntimeError("Invalid scaling configuration (scale_b)")
+
+
+def v2_checks(a, b_t, scale_a, recipe_b, scale_b):
+    """v2's checks (``_check_scaled_mm_sizes_v2``, ATen's ``check_deepseek_recipe``); what cuBLAS then gets."""
+    (m, k), n = a.shape, b_t.shape[1]
+    tiles = k // BLOCK
+    blocks = recipe_b.name == "BlockWise128x128"
+    want = ((-(-tiles // 4) * 4, math.ceil(n / BLOCK)), (1, -(-tiles // 4) * 4)) if blocks else ((n, tiles), (1, n))
+    if not (_has(scale_a, (m, tiles), (1, m)) and _has(scale_b, *want)):
+        raise RuntimeError(f"For 1x128 x {recipe_b.name} blockwise scaling, scale b must have shape {want}")
+    return scale_a, scale_b, blocks
+
+
+def fronts(calls: list, multiply=cublas):
+    """(v1, v2): ``native_blockwise._v1`` and ``_v2`` as torch's checks and cuBLAS's reading make them; each call
+    is listed in ``calls`` as (kind, a's shape, b's shape, what cuBLAS got)."""
+    def run(a, b_t, got, out):
+        calls.append(("128x128" if got[2] else "1x128", tuple(a.shape), tuple(b_t.t().shape), got))
+        return multiply(a, b_t, *got, out)
+
     def v1(a, b_t, scale_a, scale_b, out):
-        (m, k), n = a.shape, b_t.shape[1]
-        tiles = math.ceil(k / BLOCK)
-        if not _has(scale_a, (m, tiles), (1, m)):
-            raise RuntimeError("Invalid scaling configuration (scale_a)")
-        rows = scale_b.t()  # ATen checks b's rows: mat2's transpose
-        if _has(rows, (math.ceil(n / BLOCK), tiles), (tiles, 1)):
-            return cublas(a, b_t, scale_a, scale_b, True, out, calls)
-        if _has(rows, (n, tiles), (1, n)):
-            return cublas(a, b_t, scale_a, rows, False, out, calls)
-        raise RuntimeError("Invalid scaling configuration (scale_b)")
+        return run(a, b_t, v1_checks(a, b_t, scale_a, scale_b), out)
 
     def v2(a, b_t, scale_a, recipe_b, scale_b, out):
-        (m, k), n = a.shape, b_t.shape[1]
-        tiles = k // BLOCK
-        l4 = -(-tiles // 4) * 4
-        blocks = recipe_b.name == "BlockWise128x128"
-        want = ((l4, math.ceil(n / BLOCK)), (1, l4)) if blocks else ((n, tiles), (1, n))
-        if not (_has(scale_a, (m, tiles), (1, m)) and _has(scale_b, *want)):
-            raise RuntimeError(f"For 1x128 x {recipe_b.name} blockwise scaling, scale b must have shape {want}")
-        return cublas(a, b_t, scale_a, scale_b, blocks, out, calls)
+        return run(a, b_t, v2_checks(a, b_t, scale_a, recipe_b, scale_b), out)
     return v1, v2

@@ -102,7 +102,7 @@ def test_v2_takes_every_product_and_each_equals_the_fp64_emulation(native, k):
     for name, product in products.items():
         native.calls.clear(), native.checked.clear()
         got = _run(product, x, w, g)
-        kinds = [kind for kind, _, _ in native.calls]
+        kinds = [call[0] for call in native.calls]
         assert kinds.count("128x128") >= 2 and kinds.count("1x128") >= 1, (name, native.calls)
         assert native.checked and all(native.checked), (name, native.calls, native.checked)
         for what, a, b in zip(("y", "dx", "dW"), got, dequantised[name]):  # fp64 against fp32 accumulation
@@ -117,7 +117,7 @@ def test_v1_takes_the_blocks_only_where_cublas_reads_its_layout(native):
     native.use("v1")
     with pytest.warns(UserWarning, match="misreads where K / 128 is not a multiple of 4"):
         _run(_products()["plain"], x, w, g)
-    shapes = {(kind, a[1]) for kind, a, _ in native.calls}
+    shapes = {(kind, a[1]) for kind, a, _, _ in native.calls}
     assert shapes == {("128x128", 512), ("1x128", 256)}, shapes  # dx by blocks (K 512), dW by tiles (K 256)
     assert all(native.checked)
 
