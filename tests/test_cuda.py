@@ -179,8 +179,8 @@ def test_blockwise_fp8_equals_an_fp64_emulation_in_one_cublas_call_and_dequantis
     w = torch.randn(n, k, device=device, generator=gen, dtype=torch.bfloat16) * 0.02
     g = torch.randn(1024, n, device=device, generator=gen, dtype=torch.bfloat16) * 1e-3
     scaling = LinearScaling(Fp8Recipe("blockwise", block=128), (), None)
-    qx, qw, _ = scaling.forward_operands(x, w)
-    qg, qwt = scaling.input_grad_operands(g, w, (), None)
+    qx, qw, _, _ = scaling.forward_operands(x, w)
+    qg, qwt = scaling.grad_operands(g, None)[0], scaling.weight_operand(w, transposed=True)
     qgt, qxt = scaling._tiles(g.t(), GRAD), scaling._tiles(x.t(), INPUT)
     want = [native_blockwise.emulated(a.data, a.scale, b.data, b.scale) for a, b in ((qx, qw), (qg, qwt), (qgt, qxt))]
     for native in [False] + [native_blockwise.KERNEL.verdict(device)] * native_blockwise.KERNEL.works(device):

@@ -87,7 +87,8 @@ def _cuda_checks(weights: list, tokens: int) -> list:
         for out_features, in_features in weights:
             for m, k, n, rows in products(out_features, in_features, tokens):
                 a, b = torch.empty(m, k, device=cuda, dtype=e4m3), torch.empty(n, k, device=cuda, dtype=e4m3)
-                a_scale, b_scale = torch.ones(m, k // BLOCK, device=cuda), torch.ones(n, k // BLOCK, device=cuda)
+                # rows-major, as quantize_tiles makes them
+                a_scale, b_scale = (torch.ones(k // BLOCK, size, device=cuda).t() for size in (m, n))
                 for path in native_blockwise.PATHS:
                     if native_blockwise.takes(path, k, rows):
                         out = torch.empty(m, n, device=cuda, dtype=torch.bfloat16)
@@ -134,7 +135,7 @@ def test_every_config_runs_blockwise_through_torchs_checks_or_is_refused_by_the_
 
 def _scales(rows: int, k: int, tile_rows: int, gen) -> torch.Tensor:
     exponents = torch.randint(-8, 8, (-(-rows // tile_rows), k // BLOCK), generator=gen)
-    return torch.exp2(exponents.float()).repeat_interleave(tile_rows, 0)[:rows]
+    return torch.exp2(exponents.float()).repeat_interleave(tile_rows, 0)[:rows].t().contiguous().t()  # rows-major
 
 
 def test_cublas_reads_the_scales_we_hand_over_on_every_configs_products(walked, monkeypatch):

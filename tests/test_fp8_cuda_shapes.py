@@ -51,16 +51,16 @@ def test_every_fp8_product_meets_cudas_shape_rules_on_the_fake_device():
 
 def _cuda_rules(original, seen):
     """``torch._scaled_mm`` refusing what CUDA's refuses, else the CPU's; records whether padding was needed."""
-    def scaled_mm(a, b, *, scale_a, scale_b, out_dtype, out=None):
+    def scaled_mm(a, b, *, scale_a, scale_b, out_dtype, out=None, bias=None):
         if a.shape[1] % 16 or b.shape[0] % 16 or b.shape[1] % 16:
             raise RuntimeError(f"CUDA's FP8 GEMM takes dimensions of 16: {tuple(a.shape)} x {tuple(b.shape)}")
         if a.stride(1) != 1 or b.stride(0) != 1:
             raise RuntimeError("CUDA's FP8 GEMM takes a row-major and b column-major")
-        return original(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, out=out)
+        return original(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, out=out, bias=bias)
 
-    def recorded(a, b, scale_a, scale_b, out_dtype, out=None):
+    def recorded(a, b, scale_a, scale_b, out_dtype, out=None, bias=None):
         seen.append(b.shape[0] % 16 != 0 or b.shape[1] % 16 != 0)
-        return quantize._cuda_product(a, b, scale_a, scale_b, out_dtype, out)
+        return quantize._cuda_product(a, b, scale_a, scale_b, out_dtype, out, bias)
     return scaled_mm, recorded
 
 

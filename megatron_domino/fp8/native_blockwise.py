@@ -34,13 +34,16 @@ _refused: set[tuple] = set()
 
 
 def cublas_scales(a_scale, b_scale, b_tile_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both operands' scales as cuBLAS reads them (module docstring), from ours (a row of tile scales per row;
-    a weight's blocks repeat on each of their 128 rows). The blocks' layout is padded to L4 (v2's)."""
-    scale_a = a_scale.t().contiguous().t()
+    """Both operands' scales as cuBLAS reads them (module docstring), from ours (a row of tile scales per row,
+    rows-major; a weight's blocks repeat on each of their 128 rows). The blocks' layout is padded to L4 (v2's)
+    and made once per scale tensor (a step's weight copy: once per step)."""
+    scale_a = a_scale.t().contiguous().t()  # no copy: quantize_tiles makes them rows-major
     if b_tile_rows == 1:
         return scale_a, b_scale.t().contiguous().t()
-    blocks = b_scale[::BLOCK]  # [N / 128, L]
-    return scale_a, F.pad(blocks, (0, -blocks.shape[1] % 4), value=1.0).t()  # unread, the padding: any number
+    if getattr(b_scale, "cublas_blocks", None) is None:  # kept on the scale tensor, as long as it lives
+        blocks = b_scale[::BLOCK]  # [N / 128, L]
+        b_scale.cublas_blocks = F.pad(blocks, (0, -blocks.shape[1] % 4), value=1.0).contiguous().t()  # pad: unread
+    return scale_a, b_scale.cublas_blocks
 
 
 def takes(path: str, k: int, b_tile_rows: int) -> bool:
