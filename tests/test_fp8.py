@@ -203,3 +203,36 @@ def test_cpu_product_equals_torch_scaled_mm_bit_for_bit(out_dtype):
         assert torch.equal(_product(a, b.t(), scale_a, scale_b, out_dtype), expected)
         out = torch.empty(40, 24, dtype=out_dtype)
         assert _product(a, b.t(), scale_a, scale_b, out_dtype, out) is out and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("kind", RECIPES)
+def test_a_steps_weight_copies_are_made_once_and_give_the_same_products(kind, monkeypatch):
+    """During a step (``step_weights``) W and W^T are quantised at their first use and reused by every later
+    micro-batch; the products are bit for bit those of a copy per use."""
+    x, w, g = _operands(seed=4)
+    made = []
+    quantise = LinearScaling._tensorwise if kind != "blockwise" else LinearScaling._tiles
+    monkeypatch.setattr(LinearScaling, "_tensorwise" if kind != "blockwise" else "_tiles",
+                        lambda self, x2d, operand, *rest: made.append(operand) or quantise(self, x2d, operand, *rest))
+
+    def scaling():
+        state = LinearScaling(Fp8Recipe(kind, block=BLOCK), (), None)
+        state.calibrating = False  # delayed: scales from a history (ones here)
+        return state
+    def microbatches(state):  # one weight, three micro-batches
+        weight, results = w.clone().requires_grad_(), []
+        for _ in range(3):
+            inputs = x.clone().requires_grad_()
+            y = linear(inputs, weight, None, state)
+            y.backward(g)
+            results.append((y.detach(), inputs.grad, weight.grad.clone()))
+        return results
+    want = microbatches(scaling())
+    assert made.count(WEIGHT) == 6  # W and W^T, each micro-batch
+    made.clear()
+    in_step = scaling()
+    in_step.step_weights = {}
+    got = microbatches(in_step)
+    assert made.count(WEIGHT) == 2
+    for a, b in zip(got, want):
+        assert all(torch.equal(p, q) for p, q in zip(a, b))

@@ -128,14 +128,15 @@ class LinearScaling:
         return quantize_tiles(x2d, r.block, r.dtype(operand), r.margin, tile_rows, r.power_of_two, self.kernels)
 
     def _step_copy(self, key: tuple, weight: torch.Tensor, make):
-        """``make()``, or during a step the value made at the first call for this weight (or piece of it)."""
+        """``make()``, or during a step the value made at the first call for this weight (or piece of it). The
+        entry holds the parameter, so no other tensor can take its id during the step."""
         if self.step_weights is None:
             return make()
         base = weight if weight._base is None else weight._base  # a Domino piece: a view of the parameter
         key = (*key, id(base), weight.storage_offset(), tuple(weight.shape), tuple(weight.stride()))
         if key not in self.step_weights:
-            self.step_weights[key] = make()
-        return self.step_weights[key]
+            self.step_weights[key] = base, make()
+        return self.step_weights[key][1]
 
     def weight_scale(self, weight) -> torch.Tensor:
         return self._step_copy(("scale",), weight, lambda: self.scale(weight, WEIGHT))
