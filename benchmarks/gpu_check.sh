@@ -10,14 +10,16 @@
 #      could not match an H200's torch 2.11.0+cu130 to the pin). What is still missing skips its step, with why;
 #   2. unit-tests: tests/test_cuda.py on CUDA + NCCL at world size 1: tiny GPT and Llama training through the
 #      entry points (bf16, Domino on, flash attention pinned), checkpoint save and bitwise resume, flash kernel,
-#      a worker killed under torchrun --max-restarts=1 on NCCL, blockwise FP8 in one cuBLAS call; and the timed
-#      group's link kernel (an operation lasts its modelled time, its wait leaves the host free);
+#      a worker killed under torchrun --max-restarts=1 on NCCL, blockwise FP8 against an fp64 emulation (in one
+#      cuBLAS call, and dequantised) at K = 2048 and 1664; and the timed group's link kernel (an operation lasts its
+#      modelled time, its wait leaves the host free);
 #   3. train: GPT-1.3B, bf16, TP1, 30 steps with model.attention_backend=flash (a non-flash attention call
 #      raises) and log.sync_debug=true (a host sync in a steady-state step raises). If the sync check fails,
 #      train-unchecked repeats the run without it, so the table still gets our numbers (the check stays FAILED);
-#      then train-compile, train-fp8-tensorwise, train-fp8-tensorwise-compile, train-fp8-blockwise: the same run,
-#      15 steps, with model.compile, model.fp8=tensorwise (eager casts, then compiled ones, as torchao runs it)
-#      and model.fp8=blockwise (no megatron-core rows: its FP8 needs Transformer Engine);
+#      then train-compile and train-fp8-{tensorwise,delayed,blockwise}-compile: the same run, 15 steps, with
+#      model.compile, and each model.fp8 recipe compiled, as torchao runs FP8 (no megatron-core rows: its FP8 needs
+#      Transformer Engine); torchao-{tensorwise,rowwise}: torchao's Float8Linear compiled on the plain PyTorch GPT
+#      of the same shape and batch (benchmarks/torchao_gpt.py; its wheel carried offline in MCORE_WHEELS);
 #   4. megatron-core: benchmarks/megatron_core_gpt.py, megatron-core's GPTModel (local layer spec) of the same
 #      shape, batch, data, FLOP formula and timing;
 #   5. domino-parity: Domino on CUDA gives sync TP's loss and gradients: 2 ranks (gloo on one GPU);
@@ -43,12 +45,12 @@
 # SKIP="domino-parity"), GPU_CHECK_OFFLINE=1 (no registry probe, no pip from an index), MCORE_WHEELS (a dir),
 # GPU_CHECK_OUT (where logs go; on the device machine GPU_CHECK_OUT=$OUT/gpu_check brings them back).
 # Time limits (s, each killed 5 s after): install 60, install-megatron-core 40, unit-tests 210, train 120,
-# train-unchecked 75, 4 x 130 for the variants, megatron-core 130, domino-parity 55, rehearse-timed 180,
-# domino-timed 240, domino-timed-ib 90 (not yet run on a GPU; the sweeps they run are sized from FLOP counts to
-# under a minute of compute each, builds included): at most 1700 s of steps,
-# ~15 min with the probe and start-ups at worst; measured on an H200 (2026-12-04): train 46 s, train-compile 51 s,
-# train-fp8-tensorwise 64 s (30 steps each; blockwise ran 7.4 s a step tile by tile, hence the variants' 15
-# steps; cuBLAS's one-call blockwise kernel, fp8/native_blockwise.py, was not there yet).
+# train-unchecked 75, 4 x 90 for our variants, install-torchao 40, 2 x 120 for torchao's, megatron-core 130,
+# domino-parity 55, rehearse-timed 180, domino-timed 240, domino-timed-ib 90: at most 1880 s of steps at worst, over
+# the 15 minutes a lent GPU has: SKIP what the device time left cannot hold (the timed steps are sized from FLOP
+# counts to under a minute of compute each, builds included, and have not run on a GPU yet); measured on an H200
+# (2026-12-04): train 46 s, train-compile 51 s, train-fp8-tensorwise 64 s (30 steps each; blockwise ran 7.4 s a
+# step tile by tile then, hence the variants' 15 steps).
 # Micro batch 4: megatron-core's local attention keeps s x s tensors for backward (the fp32 softmax output,
 # the dropout mask, the bf16 probabilities: ~1.75 GiB per layer at micro batch 4), which at 8 would fill the
 # H200 with 24 layers.
@@ -258,18 +260,32 @@ elif grep -q "synchronizing CUDA operation" "$OUT/train.log"; then
     model.attention_backend=flash || true
 fi
 
-# ---- 3b. the same run compiled, and in FP8 (megatron-core has FP8 only through Transformer Engine: no peer row);
-# half the steps (blockwise FP8 ran at 7.4 s a step on an H200: 30 steps outran the limit)
+# ---- 3b. the same run compiled, and in FP8 compiled as torchao runs FP8, one row per recipe (megatron-core has FP8
+# only through Transformer Engine: no peer row); beside them torchao's own Float8Linear, tensorwise and row-wise,
+# compiled, on the plain PyTorch GPT of the same shape (benchmarks/torchao_gpt.py; megatron_domino has no row-wise
+# recipe). Offline, torchao comes from its wheel in MCORE_WHEELS (benchmarks/README.md). Half the steps.
 FP8_BLOCK=$([ "$DRY" = 1 ] && echo 32 || echo 128)  # the tiny model's hidden size is 64
 VARIANT_STEPS=$(( STEPS / 2 > WARMUP + INTERVAL ? STEPS / 2 : STEPS ))
-VARIANTS=(compile:model.compile=true fp8-tensorwise:model.fp8=tensorwise
-          fp8-tensorwise-compile:model.fp8=tensorwise,model.compile=true
-          fp8-blockwise:model.fp8=blockwise,model.fp8_block_size=$FP8_BLOCK)
+VARIANTS=(compile:model.compile=true fp8-tensorwise-compile:model.fp8=tensorwise,model.compile=true
+          fp8-delayed-compile:model.fp8=delayed,model.compile=true
+          fp8-blockwise-compile:model.fp8=blockwise,model.fp8_block_size=$FP8_BLOCK,model.compile=true)
+: > "$OUT/variants.txt"  # the table's rows after ours and megatron-core's, in order
 for variant in "${VARIANTS[@]}"; do
   IFS=, read -r -a settings <<< "${variant#*:}"
-  step "train-${variant%%:*}" 130 "$PY" pretrain_gpt.py "${TRAIN[@]}" "${COMMON[@]}" \
+  rm -rf "${OUT:?}/train-${variant%%:*}"; echo "train-${variant%%:*}" >> "$OUT/variants.txt"
+  step "train-${variant%%:*}" 90 "$PY" pretrain_gpt.py "${TRAIN[@]}" "${COMMON[@]}" \
     log.dir="$OUT/train-${variant%%:*}" model.attention_backend=flash train.steps="$VARIANT_STEPS" "${settings[@]}" \
     || true
+done
+torchao() { "$PY" -c "import torchao" > /dev/null 2>&1; }
+if ! torchao && { [ -z "$OFFLINE" ] || [ -n "$MCORE_WHEELS" ]; }; then
+  step install-torchao 40 "$PY" -m pip install "${FROM[@]}" --no-deps torchao || true  # pure Python: torch as found
+fi
+for recipe in tensorwise rowwise; do
+  echo "torchao-$recipe" >> "$OUT/variants.txt"
+  torchao || skip "torchao-$recipe" "torchao is not importable${OFFLINE:+, offline: carry its wheel in MCORE_WHEELS}"
+  step "torchao-$recipe" 120 "$PY" benchmarks/torchao_gpt.py --recipe "$recipe" "${TRAIN[@]}" "${COMMON[@]}" \
+    train.steps="$VARIANT_STEPS" --warmup "$WARMUP" || true
 done
 
 # ---- 4. megatron-core's GPT, same shape, batch, data and timing
@@ -332,14 +348,15 @@ def ours(run_dir):
             "step_time_s": step_time, "steps": records[-1]["step"]}
 
 
-def megatron_core():
-    lines = [line for line in open(mcore_log) if line.startswith("{")] if os.path.exists(mcore_log) else []
+def json_line(log):
+    lines = [line for line in open(log) if line.startswith("{")] if os.path.exists(log) else []
     return json.loads(lines[-1]) if lines else None
 
 
-variants = [(f"megatron_domino, {name}", ours(os.path.join(out, f"train-{name}")))
-            for name in ("compile", "fp8-tensorwise", "fp8-tensorwise-compile", "fp8-blockwise")]
-mcore = megatron_core()
+variants = [(f"megatron_domino, {name[len('train-'):]}", ours(os.path.join(out, name))) if name.startswith("train-")
+            else (name.replace("-", " ", 1) + " (Float8Linear, compiled)", json_line(os.path.join(out, f"{name}.log")))
+            for name in open(os.path.join(out, "variants.txt")).read().split()]
+mcore = json_line(mcore_log)
 mcore_name = mcore["framework"] + " (local spec)" if mcore else "megatron-core"
 runs = [("megatron_domino", ours(ours_dir)), (mcore_name, mcore), *variants]
 fmt = {"tokens_per_s": "{:,.0f}", "tflops": "{:.1f}", "mfu": "{:.1%}", "peak_gib": "{:.1f}", "loss": "{:.4f}",

@@ -179,7 +179,7 @@ def make_step(cfg, model, optimizer, device):
     return step
 
 
-def timed_run(cfg, step, device, warmup: int) -> dict:
+def timed_run(cfg, step, device, warmup: int, name: str = "megatron-core") -> dict:
     """Our Trainer's timing: windows of log.interval steps closed by a device sync; medians after ``warmup``."""
     train, interval = cfg.train, cfg.log.interval
     windows, window_start, window_steps, loss = [], time.perf_counter(), 0, None
@@ -191,7 +191,7 @@ def timed_run(cfg, step, device, warmup: int) -> dict:
                 torch.cuda.synchronize(device)
             windows.append((index + 1, (time.perf_counter() - window_start) / window_steps))
             loss = result.item()
-            print(f"megatron-core step {index + 1}/{train.steps} | loss {loss:.4f} | "
+            print(f"{name} step {index + 1}/{train.steps} | loss {loss:.4f} | "
                   f"step {windows[-1][1]:.3f} s", file=sys.stderr, flush=True)
             window_start, window_steps = time.perf_counter(), 0
     steady = [t for end, t in windows if end > warmup]
@@ -206,13 +206,19 @@ def timed_run(cfg, step, device, warmup: int) -> dict:
             "timed_windows": len(steady)}
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def checked_config(args):
+    """``--config`` with its overrides, validated for one rank (a config error ends the run, saying it)."""
     try:
         cfg = load_config(args.config, args.overrides)
         validate_config(cfg, world_size=1, check_paths=not cfg.data.mock)
     except ConfigError as error:
         sys.exit(f"config error: {error}")
+    return cfg
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg = checked_config(args)
     if expressible(cfg):
         sys.exit(expressible(cfg))
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")

@@ -76,12 +76,12 @@ def fake_fp8_modes():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megatron_domino.rehearsal.kernels import scaled_mm_into
+    from megatron_domino.rehearsal.kernels import SCALED_MM_INTO, scaled_mm_into
 
     class OutForm(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._scaled_mm.out:
-                return scaled_mm_into(args, kwargs)
+            if func in SCALED_MM_INTO:
+                return scaled_mm_into(func, args, kwargs)
             return func(*args, **(kwargs or {}))
     modes = contextlib.ExitStack()
     modes.enter_context(FakeTensorMode(allow_non_fake_inputs=True))

@@ -160,31 +160,37 @@ def test_grouped_gemm_experts_on_cuda_equal_the_loop():
         torch.testing.assert_close(grouped.float(), loop.float(), rtol=2e-2, atol=2e-2)
 
 
-def test_blockwise_fp8_runs_in_one_cublas_call_on_hopper_and_equals_the_loop():
-    """Blockwise FP8 (128-wide tiles) takes cuBLAS's blockwise kernel where torch and the GPU have it (Hopper,
-    CUDA 12.9+): a linear's output and gradients equal the tile-by-tile loop up to the kernel's accumulation."""
+@pytest.mark.parametrize("k, n", [(2048, 1536), (1664, 1280)])
+def test_blockwise_fp8_equals_an_fp64_emulation_in_one_cublas_call_and_dequantised(k, n):
+    """Blockwise FP8 (128-wide tiles): a linear's output and gradients equal the fp64 emulation of its quantised
+    operands, through cuBLAS's blockwise kernel where torch and the GPU have it (Hopper, CUDA 12.9+) and through
+    the dequantised product (forced), which every build runs. K = 1664 and 1280 outputs contract 13 and 10
+    blocks, where a layout with stride K / 128 is misread (pytorch#166752)."""
     from megatron_domino.fp8 import native_blockwise
     from megatron_domino.fp8.linear import linear
-    from megatron_domino.fp8.scaling import Fp8Recipe, LinearScaling
+    from megatron_domino.fp8.scaling import GRAD, INPUT, Fp8Recipe, LinearScaling
     device = torch.device("cuda")
     cuda = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
     expected = torch.cuda.get_device_capability() == (9, 0) and cuda >= (12, 9)
-    if not native_blockwise.works(device):
-        assert not expected, f"no blockwise kernel on a Hopper GPU with torch {torch.__version__}"
-        pytest.skip("cuBLAS's blockwise FP8 kernel needs a Hopper GPU and CUDA 12.9+")
+    assert native_blockwise.KERNEL.works(device) or not expected, \
+        f"no blockwise kernel on a Hopper GPU with torch {torch.__version__}"
     gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(1024, 2048, device=device, generator=gen, dtype=torch.bfloat16) * 3
-    w = torch.randn(1536, 2048, device=device, generator=gen, dtype=torch.bfloat16) * 0.02
-    g = torch.randn(1024, 1536, device=device, generator=gen, dtype=torch.bfloat16) * 1e-3
-    results = []
-    for native in (False, True):
+    x = torch.randn(1024, k, device=device, generator=gen, dtype=torch.bfloat16) * 3
+    w = torch.randn(n, k, device=device, generator=gen, dtype=torch.bfloat16) * 0.02
+    g = torch.randn(1024, n, device=device, generator=gen, dtype=torch.bfloat16) * 1e-3
+    scaling = LinearScaling(Fp8Recipe("blockwise", block=128), (), None)
+    qx, qw, _, _ = scaling.forward_operands(x, w)
+    qg, qwt = scaling.grad_operands(g, None)[0], scaling.weight_operand(w, transposed=True)
+    qgt, qxt = scaling._tiles(g.t(), GRAD), scaling._tiles(x.t(), INPUT)
+    want = [native_blockwise.emulated(a.data, a.scale, b.data, b.scale) for a, b in ((qx, qw), (qg, qwt), (qgt, qxt))]
+    for native in [False] + [native_blockwise.KERNEL.verdict(device)] * native_blockwise.KERNEL.works(device):
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
         with native_blockwise.KERNEL.assumed(native, [device]):
             y = linear(xs, ws, None, LinearScaling(Fp8Recipe("blockwise", block=128), (), None))
             y.backward(g)
-        results.append((y.float(), xs.grad.float(), ws.grad.float()))
-    for loop, one_call in zip(*results):
-        assert torch.linalg.vector_norm(one_call - loop) <= 2e-3 * torch.linalg.vector_norm(loop)
+        for what, got, reference in zip(("y", "dx", "dW"), (y, xs.grad, ws.grad), want):
+            error = torch.linalg.vector_norm(got.double() - reference) / torch.linalg.vector_norm(reference)
+            assert error <= 5e-3, (native, what, float(error))  # bf16 outputs; a misread scale: O(1)
 
 
 def test_fp8_experts_run_one_grouped_gemm_on_hopper_and_equal_the_loop():

@@ -40,32 +40,26 @@ def _tile_scales(x, rows, cols, dtype):
     return _pow2_scale(amax, dtype).repeat_interleave(rows, 0).repeat_interleave(cols, 1)
 
 
-def _emulated(a, b, sa, sb, da, db, tiled):
-    """a @ b^T of the emulated operands in fp32; tiled: one product per tile of contracted columns, summed in order."""
-    qa, qb = _q(a, sa, da), _q(b, sb, db)
-    if not tiled:
-        return qa @ qb.t()
-    out = None
-    for start in range(0, a.shape[1], BLOCK):
-        part = qa[:, start:start + BLOCK] @ qb[:, start:start + BLOCK].t()
-        out = part if out is None else out + part
-    return out
+def _emulated(a, b, sa, sb, da, db):
+    """a @ b^T of the emulated operands, one product accumulated in fp32 (blockwise too: its dequantised operands
+    are exact, so this is what an fp32-accumulating blockwise kernel computes)."""
+    return _q(a, sa, da) @ _q(b, sb, db).t()
 
 
 def _reference(kind, x, w, g):
     """(y, dx, dW) of y = x W^T as each recipe defines them (delayed: a history holding these operands' amaxes)."""
     if kind == "blockwise":
-        y = _emulated(x, w, _tile_scales(x, 1, BLOCK, E4M3), _tile_scales(w, BLOCK, BLOCK, E4M3), E4M3, E4M3, True)
+        y = _emulated(x, w, _tile_scales(x, 1, BLOCK, E4M3), _tile_scales(w, BLOCK, BLOCK, E4M3), E4M3, E4M3)
         wt = w.t().contiguous()
-        dx = _emulated(g, wt, _tile_scales(g, 1, BLOCK, E5M2), _tile_scales(wt, BLOCK, BLOCK, E4M3), E5M2, E4M3, True)
+        dx = _emulated(g, wt, _tile_scales(g, 1, BLOCK, E5M2), _tile_scales(wt, BLOCK, BLOCK, E4M3), E5M2, E4M3)
         gt, xt = g.t().contiguous(), x.t().contiguous()
-        dw = _emulated(gt, xt, _tile_scales(gt, 1, BLOCK, E5M2), _tile_scales(xt, 1, BLOCK, E4M3), E5M2, E4M3, True)
+        dw = _emulated(gt, xt, _tile_scales(gt, 1, BLOCK, E5M2), _tile_scales(xt, 1, BLOCK, E4M3), E5M2, E4M3)
         return y, dx, dw
     sx, sw = _pow2_scale(x.abs().amax(), E4M3), _pow2_scale(w.abs().amax(), E4M3)  # delayed: the history's
     sg = _pow2_scale(g.abs().amax(), E5M2)
-    y = _emulated(x, w, sx, sw, E4M3, E4M3, False)
-    dx = _emulated(g, w.t(), sg, sw, E5M2, E4M3, False)
-    dw = _emulated(g.t(), x.t(), sg, sx, E5M2, E4M3, False)
+    y = _emulated(x, w, sx, sw, E4M3, E4M3)
+    dx = _emulated(g, w.t(), sg, sw, E5M2, E4M3)
+    dw = _emulated(g.t(), x.t(), sg, sx, E5M2, E4M3)
     return y, dx, dw
 
 
@@ -181,6 +175,7 @@ def test_bad_fp8_configs_are_refused_before_any_process_group_starts(monkeypatch
         validate_config(cfg, world_size=1, check_paths=False)
     monkeypatch.delattr(torch, "float8_e5m2")
     assert "has no float8 dtypes" in _refused(dict(fp8="tensorwise"))
+    assert "has no float8 dtypes" in _refused(dict(fp8="blockwise", fp8_block_size=8))  # what blockwise needs
 
 
 def test_compiled_casts_equal_eager_ones_bit_for_bit():
@@ -208,3 +203,36 @@ def test_cpu_product_equals_torch_scaled_mm_bit_for_bit(out_dtype):
         assert torch.equal(_product(a, b.t(), scale_a, scale_b, out_dtype), expected)
         out = torch.empty(40, 24, dtype=out_dtype)
         assert _product(a, b.t(), scale_a, scale_b, out_dtype, out) is out and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("kind", RECIPES)
+def test_a_steps_weight_copies_are_made_once_and_give_the_same_products(kind, monkeypatch):
+    """During a step (``step_weights``) W and W^T are quantised at their first use and reused by every later
+    micro-batch; the products are bit for bit those of a copy per use."""
+    x, w, g = _operands(seed=4)
+    made = []
+    quantise = LinearScaling._tensorwise if kind != "blockwise" else LinearScaling._tiles
+    monkeypatch.setattr(LinearScaling, "_tensorwise" if kind != "blockwise" else "_tiles",
+                        lambda self, x2d, operand, *rest: made.append(operand) or quantise(self, x2d, operand, *rest))
+
+    def scaling():
+        state = LinearScaling(Fp8Recipe(kind, block=BLOCK), (), None)
+        state.calibrating = False  # delayed: scales from a history (ones here)
+        return state
+    def microbatches(state):  # one weight, three micro-batches
+        weight, results = w.clone().requires_grad_(), []
+        for _ in range(3):
+            inputs = x.clone().requires_grad_()
+            y = linear(inputs, weight, None, state)
+            y.backward(g)
+            results.append((y.detach(), inputs.grad, weight.grad.clone()))
+        return results
+    want = microbatches(scaling())
+    assert made.count(WEIGHT) == 6  # W and W^T, each micro-batch
+    made.clear()
+    in_step = scaling()
+    in_step.step_weights = {}
+    got = microbatches(in_step)
+    assert made.count(WEIGHT) == 2
+    for a, b in zip(got, want):
+        assert all(torch.equal(p, q) for p, q in zip(a, b))

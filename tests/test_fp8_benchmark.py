@@ -26,3 +26,18 @@ def test_tiny_run_reports_every_mode(tmp_path):
     assert all(float(rows[m][4].rstrip("%")) > 0 for m in rows if not m.startswith("off"))
     record = json.loads(path.read_text())
     assert all(len(record["seconds"][mode]) == 2 for mode in rows)  # one warm-up, one timed round
+
+
+def test_kernel_counts_keep_a_compiled_fp8_linear_within_four_kernels_of_bf16(tmp_path):
+    """benchmarks/fp8_kernels.py: the JSON has bf16's, torchao's (None without torchao) and each recipe's eager and
+    compiled counts; compiled tensorwise launches at most 4 kernels more than bf16 forward + backward, and
+    compiling never adds kernels. Slow: inductor compiles each recipe's casts (~2 min)."""
+    path = tmp_path / "kernels.json"
+    result = subprocess.run([sys.executable, "benchmarks/fp8_kernels.py", "--json", str(path)], cwd=REPO,
+                            env=environment(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    record = json.loads(path.read_text())
+    assert {"bf16", "torchao", "tensorwise", "delayed", "blockwise"} <= set(record)
+    assert record["tensorwise"]["compiled"] <= record["bf16"] + 4, record
+    for recipe in ("tensorwise", "delayed", "blockwise"):
+        assert 0 < record[recipe]["compiled"] <= record[recipe]["eager"], (recipe, record)

@@ -1,7 +1,9 @@
 """FP8 trains as well as bf16: the quick-start GPT (configs/tiny/gpt.yaml), 300 steps on the quick-start corpus, one
 process, fixed seed. The final loss (the mean of the last 50 steps' losses, which averages out the batch-to-batch
-noise of a single step, several percent here) of FP8 tensorwise and blockwise is within 1.5% of bf16's. The three
-runs go side by side (one thread each), without the quick start's periodic evaluation."""
+noise of a single step, several percent here) of FP8 tensorwise and blockwise is within 1.5% of bf16's; and FP8
+ran: from the first step on, each FP8 run's losses are not bf16's (with ``model.fp8`` a no-op, the same seed gives
+bf16's losses exactly, and the test fails). The three runs go side by side (one thread each), without the quick
+start's periodic evaluation."""
 import json
 import os
 import subprocess
@@ -28,7 +30,7 @@ def _start(tmp_path, name, data, overrides) -> subprocess.Popen:
         return subprocess.Popen(args, cwd=REPO, env=environment(), stdout=subprocess.DEVNULL, stderr=errors)
 
 
-def _final_loss(tmp_path, name, process: subprocess.Popen) -> float:
+def _losses(tmp_path, name, process: subprocess.Popen) -> list[float]:
     try:
         process.wait(timeout=600)
     finally:
@@ -37,7 +39,7 @@ def _final_loss(tmp_path, name, process: subprocess.Popen) -> float:
     with open(tmp_path / name / "metrics.jsonl", encoding="utf-8") as f:
         losses = [r["loss"] for r in map(json.loads, f) if "loss" in r and "split" not in r]
     assert len(losses) == STEPS
-    return sum(losses[-TAIL:]) / TAIL
+    return losses
 
 
 def test_fp8_tensorwise_and_blockwise_train_within_1_5_percent_of_bf16(tmp_path):
@@ -47,9 +49,11 @@ def test_fp8_tensorwise_and_blockwise_train_within_1_5_percent_of_bf16(tmp_path)
     runs = {"bf16": _start(tmp_path, "bf16", data, [])}
     for recipe in ("tensorwise", "blockwise"):
         runs[recipe] = _start(tmp_path, recipe, data, [f"model.fp8={recipe}", "model.fp8_block_size=32"])
-    final = {name: _final_loss(tmp_path, name, process) for name, process in runs.items()}
+    losses = {name: _losses(tmp_path, name, process) for name, process in runs.items()}
+    final = {name: sum(run[-TAIL:]) / TAIL for name, run in losses.items()}
     bf16 = final["bf16"]
     for recipe in ("tensorwise", "blockwise"):
+        assert losses[recipe][0] != losses["bf16"][0], (recipe, "the first step's loss is bf16's: FP8 did not run")
         fp8 = final[recipe]
         assert abs(fp8 - bf16) <= TOLERANCE * bf16, (recipe, fp8, bf16)
         print(f"{recipe}: {fp8:.4f} vs bf16 {bf16:.4f} ({(fp8 - bf16) / bf16:+.2%})")

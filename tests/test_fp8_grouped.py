@@ -47,14 +47,14 @@ def _loop(rows, sizes, experts, bias_divisor):
     return torch.cat([linear(part, e.weight, e.bias / bias_divisor, e.fp8) for part, e in zip(parts, experts)])
 
 
-def _run(mode, kind, grad_format, dtype=torch.float32, seed=0, split=(WEIGHT, INPUT)):
+def _run(mode, kind, grad_format, dtype=torch.float32, seed=0, split=(WEIGHT, INPUT), biased=True):
     """(y, dx, dWs, dbs) of four experts on SIZES rows: ``mode`` "loop", "step" (the one step) or "one gemm" (the
-    one step, through the grouped kernel where it serves)."""
+    one step, through the grouped kernel where it serves); ``biased``: the experts have biases."""
     gen = torch.Generator().manual_seed(seed)
     rows = (torch.randn(sum(SIZES), 48, generator=gen) * 3).to(dtype).requires_grad_()
     scaling = _scaling(kind, grad_format, split)
     experts = [_Expert(torch.nn.Parameter((torch.randn(32, 48, generator=gen) * 0.05).to(dtype)),
-                       torch.nn.Parameter((torch.randn(32, generator=gen) * 0.1).to(dtype)), scaling)
+                       torch.nn.Parameter((torch.randn(32, generator=gen) * 0.1).to(dtype) * biased), scaling)
                for _ in SIZES]
     if mode == "loop":
         y = _loop(rows, SIZES, experts, 2)
@@ -113,13 +113,15 @@ def _stand_in(calls):
 
 @pytest.mark.parametrize("grad_format", ["e5m2", "e4m3"])
 def test_the_grouped_kernels_path_equals_the_loop_in_bf16(monkeypatch, grad_format):
-    want = _run("loop", "tensorwise", grad_format, torch.bfloat16)
+    """Zero biases: the grouped kernel has no bias epilogue (the bias is added to its bf16 output, where a linear's
+    GEMM adds it before rounding)."""
+    want = _run("loop", "tensorwise", grad_format, torch.bfloat16, biased=False)
     calls = []
     monkeypatch.setattr(grouped_kernel, "works", lambda device: True)
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _stand_in(calls), raising=False)
-    _assert_equal(_run("step", "tensorwise", grad_format, torch.bfloat16), want, grad_format)
+    _assert_equal(_run("step", "tensorwise", grad_format, torch.bfloat16, biased=False), want, grad_format)
     assert calls == []  # without model.moe_grouped_gemm: one GEMM per expert
-    _assert_equal(_run("one gemm", "tensorwise", grad_format, torch.bfloat16), want, grad_format)
+    _assert_equal(_run("one gemm", "tensorwise", grad_format, torch.bfloat16, biased=False), want, grad_format)
     # the forward; with e4m3 gradients the input gradient too (the kernel takes e4m3 only)
     assert calls == [(4, 48, 32)] + ([(4, 32, 48)] if grad_format == "e4m3" else [])
     # a rank whose experts got no rows (capacity drops under EP) loops: the kernel would refuse an empty operand
@@ -137,7 +139,7 @@ def test_a_refused_shape_falls_back_to_the_loop(monkeypatch):
     monkeypatch.setattr(grouped_kernel, "_refused", set())
     with pytest.warns(UserWarning, match="refused"):
         got = _run("one gemm", "tensorwise", "e5m2", torch.bfloat16)
-    _assert_equal(got, _run("loop", "tensorwise", "e5m2", torch.bfloat16), "refused")
+    _assert_equal(got, _run("loop", "tensorwise", "e5m2", torch.bfloat16), "refused")  # biases in the epilogue
 
 
 @pytest.mark.parametrize("fp8", [None, "tensorwise", "delayed"])

@@ -43,11 +43,14 @@ def test_dry_run_without_a_registry_installs_nothing_and_ends_with_the_table(tmp
     assert "the job's step predicted from the roles' instructions" in out and "hidden (waits)" in out, out[-6000:]
 
     lines = out.rstrip("\n").splitlines()
-    verdict, header, rule, ours, mcore, *variants = lines[-9:]
+    verdict, header, rule, ours, mcore, *variants = lines[-11:]
     assert verdict.startswith("gpu_check: PASSED in ") and "domino-parity (SKIP)" in verdict, lines[-10:]
     assert header.split()[:3] == ["run", "tokens/s", "TFLOP/s"] and set(rule) <= {"-", " "}, lines[-10:]
     assert ours.startswith("megatron_domino ") and "n/a" not in ours, ours
     assert mcore.startswith("megatron-core"), mcore
-    for variant, name in zip(variants, ("compile", "fp8-tensorwise", "fp8-tensorwise-compile", "fp8-blockwise"),
-                             strict=True):
+    ours_variants, torchao = variants[:4], variants[4:]
+    for variant, name in zip(ours_variants, ("compile", "fp8-tensorwise-compile", "fp8-delayed-compile",
+                                             "fp8-blockwise-compile"), strict=True):
         assert variant.startswith(f"megatron_domino, {name} ") and "n/a" not in variant, variant
+    for variant, recipe in zip(torchao, ("tensorwise", "rowwise"), strict=True):  # n/a without torchao
+        assert variant.startswith(f"torchao {recipe} (Float8Linear, compiled)"), variant

@@ -54,10 +54,10 @@ def _ends(sizes: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, counts.cumsum(0, dtype=torch.int32)
 
 
-def _products(scaling, rows, sizes, operand, scales, weights, weight_scales, transposed, one_gemm):
-    """Every expert's rows @ its weight (``transposed``: @ W, else @ W^T), quantised with the given per-expert
-    scales, in the rows' dtype: one grouped GEMM where asked (``one_gemm``) and the kernel takes them, else one
-    GEMM per expert."""
+def _products(scaling, rows, sizes, operand, scales, weights, weight_scales, transposed, one_gemm, biases=()):
+    """Every expert's rows @ its weight (``transposed``: @ W, else @ W^T) (+ its bias), quantised with the given
+    per-expert scales, in the rows' dtype: one grouped GEMM where asked (``one_gemm``) and the kernel takes them,
+    else one GEMM per expert (the bias in its epilogue, as a linear's)."""
     recipe, cast, out_dtype = scaling.recipe, scaling.kernels.cast, rows.dtype
     oriented = [w.t() if transposed else w for w in weights]
     formats = recipe.dtype(operand), recipe.dtype(WEIGHT)
@@ -68,13 +68,15 @@ def _products(scaling, rows, sizes, operand, scales, weights, weight_scales, tra
         out = grouped_kernel.product(cast(rows.detach(), row_scales[:, None], E4M3), row_scales, b, weight_scales,
                                      ends)
         if out is not None:
+            for part, bias in zip(out.split(sizes), biases):
+                part.add_(bias)
             return out
     out = rows.new_empty(len(rows), oriented[0].shape[0], dtype=out_dtype)
-    start = 0
-    for part, scale, weight, weight_scale in zip(rows.split(sizes), scales, oriented, weight_scales):
+    start, biases = 0, list(biases) or [None] * len(weights)
+    for part, scale, weight, weight_scale, bias in zip(rows.split(sizes), scales, oriented, weight_scales, biases):
         a = quantize_tensorwise(part, scale, recipe.dtype(operand), scaling.kernels)
         b = quantize_tensorwise(weight, weight_scale, recipe.dtype(WEIGHT), scaling.kernels)
-        scaled_mm(a, b, out_dtype, out[start:start + len(part)])
+        scaled_mm(a, b, out_dtype, out[start:start + len(part)], bias)
         start += len(part)
     return out
 
@@ -88,11 +90,7 @@ class Fp8GroupedLinear(torch.autograd.Function):
     def forward(ctx, rows, sizes, scaling, one_gemm, experts, *params):
         weights, biases = params[:experts], params[experts:]
         scales = operand_scales(scaling, {INPUT: rows.split(sizes), WEIGHT: weights})
-        out = _products(scaling, rows, sizes, INPUT, scales[INPUT], weights, scales[WEIGHT], False, one_gemm)
-        start = 0
-        for size, bias in zip(sizes, biases):
-            out[start:start + size].add_(bias)
-            start += size
+        out = _products(scaling, rows, sizes, INPUT, scales[INPUT], weights, scales[WEIGHT], False, one_gemm, biases)
         ctx.save_for_backward(rows, *weights)
         ctx.sizes, ctx.scaling, ctx.scales, ctx.biases, ctx.one_gemm = sizes, scaling, scales, len(biases), one_gemm
         ctx.gradients = (True, True)  # (input, weight); ``async_comm.gradient_pass`` narrows it
@@ -114,7 +112,7 @@ class Fp8GroupedLinear(torch.autograd.Function):
         if not weights_wanted:  # I of a split backward: W computes these later
             return grad_rows, None, None, None, None, *[None] * (len(weights) + ctx.biases)
         scales = zip(ctx.scales[INPUT], ctx.scales[WEIGHT], ctx.grad_scales)
-        grad_weights = [scaling.weight_grad(g, x, (sx, sw), sg).to(w.dtype)
+        grad_weights = [scaling.weight_grad(g, x, (sx, sw), sg, w.dtype)
                         for g, x, w, (sx, sw, sg) in zip(grads, rows.split(sizes), weights, scales)]
         grad_biases = [g.sum(0) for g in grads] if ctx.biases else []
         return grad_rows, None, None, None, None, *grad_weights, *grad_biases

@@ -15,41 +15,44 @@ from .scaling import GRAD, INPUT, WEIGHT, LinearScaling
 
 
 def fp8_forward(x, weight, bias, scaling: LinearScaling, weight_scale=None):
-    """(x W^T + b with x and W quantised, the scales the backward reuses); delayed scaling's first step
-    (``calibrating``) multiplies unquantised and records the amaxes."""
+    """(x W^T + b with x and W quantised, the scales the backward reuses, what the backward keeps of x: x, or
+    its FP8 transpose); delayed scaling's first step (``calibrating``) multiplies unquantised and records the
+    amaxes."""
     if scaling.calibrating:
         scaling.record(x, INPUT)
         scaling.record(weight, WEIGHT)
-        return F.linear(x, weight, bias), None
-    x2d = x.reshape(-1, x.shape[-1])
-    qx, qw, scales = scaling.forward_operands(x2d, weight, weight_scale)
+        return F.linear(x, weight, bias), None, x
+    qx, qw, scales, saved = scaling.forward_operands(x.reshape(-1, x.shape[-1]), weight, weight_scale)
     out = x.new_empty(*x.shape[:-1], weight.shape[0])  # written through a 2-D view: the output is no view
-    scaled_mm(qx, qw, x.dtype, out.view(-1, weight.shape[0]))
-    if bias is not None:
-        out.add_(bias)
-    return out, scales
+    scaled_mm(qx, qw, x.dtype, out.view(-1, weight.shape[0]), bias)
+    return out, scales, saved
 
 
 class Fp8Backward:
-    """The two products of a linear's backward from one output gradient (quantised once)."""
+    """The two products of a linear's backward from one output gradient (quantised once, with its transpose).
+    ``x``: what the forward kept (``fp8_forward``)."""
 
     def __init__(self, grad_output, x, weight, scaling: LinearScaling, scales):
         self.grad_output, self.x, self.weight, self.scaling, self.scales = grad_output, x, weight, scaling, scales
         self.grad = grad_output.reshape(-1, grad_output.shape[-1])
         self.grad_scale = scaling.grad_scale(self.grad)
-        self.operands = None  # (g, W^T) quantised, once
+        self.grads = None  # (g, g^T) quantised, once
+
+    def _grads(self):
+        if self.grads is None:
+            self.grads = self.scaling.grad_operands(self.grad, self.grad_scale)
+        return self.grads
 
     def input_grad(self, columns=slice(None)) -> torch.Tensor:
-        """dx[..., columns]; the operands are quantised at the first call and shared by every column piece."""
-        if self.operands is None:
-            self.operands = self.scaling.input_grad_operands(self.grad, self.weight, self.scales, self.grad_scale)
-        grad, weight_t = self.operands
-        out = scaled_mm(grad, weight_t.rows(columns), self.grad.dtype)
+        """dx[..., columns]; g is quantised at the first call and shared by every column piece."""
+        weight_t = self.scaling.weight_operand(self.weight, self.scales[1] if self.scales else None, transposed=True)
+        out = scaled_mm(self._grads()[0], weight_t.rows(columns), self.grad.dtype)
         return out.view(*self.grad_output.shape[:-1], out.shape[-1])
 
     def weight_grad(self) -> torch.Tensor:
-        x2d = self.x.reshape(-1, self.x.shape[-1])
-        return self.scaling.weight_grad(self.grad, x2d, self.scales, self.grad_scale).to(self.weight.dtype)
+        x = self.x if self.x.dim() == 2 else self.x.reshape(-1, self.x.shape[-1])
+        gt = None if self.scaling.recipe.kind == "blockwise" else self._grads()[1]
+        return self.scaling.weight_grad(self.grad, x, self.scales, self.grad_scale, self.weight.dtype, gt)
 
 
 class PlainBackward:
@@ -89,8 +92,8 @@ def linear_backward(ctx, grad_output, input_grad) -> tuple:
 class Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, scaling: LinearScaling, weight_scale):
-        out, ctx.scales = fp8_forward(x, weight, bias, scaling, weight_scale)
-        ctx.save_for_backward(x, weight)
+        out, ctx.scales, saved = fp8_forward(x, weight, bias, scaling, weight_scale)
+        ctx.save_for_backward(saved, weight)
         ctx.fp8, ctx.has_bias = scaling, bias is not None
         ctx.gradients = (True, True)  # (input, weight); ``async_comm.gradient_pass`` narrows it
         return out

@@ -2,9 +2,9 @@
 
 Whether a kernel exists depends on the torch build, the CUDA version and the GPU, and a kernel that misreads a
 scale's layout is silently wrong. So each is tried once per device, on known numbers, before its first use (in
-step 1: the verdict is one boolean read on the host); where it fails, the caller's slower path runs, with one
-warning. ``assumed`` sets the verdict without trying: a rehearsal's fake tensors hold no numbers to try, and a
-test compares both paths on one GPU.
+step 1: the verdict is read on the host); where it fails, the caller's slower path runs, with one warning. A
+verdict is False or what works (True, or which of several ways to call the kernel). ``assumed`` sets the verdict
+without trying: a rehearsal's fake tensors hold no numbers to try, and a test compares both paths on one GPU.
 """
 from __future__ import annotations
 
@@ -18,13 +18,16 @@ from ..parallel.device import cuda
 
 
 class ProbedKernel:
-    def __init__(self, probe: Callable[[torch.device], bool], without_it: str):
-        """``probe(device)``: does the kernel run there and agree? ``without_it``: what runs instead, and why
-        that matters (the warning's second half)."""
+    def __init__(self, probe: Callable[[torch.device], object], without_it: str):
+        """``probe(device)``: does the kernel run there and agree (False, or what works)? ``without_it``: what
+        runs instead, and why that matters (the warning's second half)."""
         self._probe, self._without_it = probe, without_it
-        self._verdicts: dict[torch.device, bool] = {}
+        self._verdicts: dict[torch.device, object] = {}
 
     def works(self, device: torch.device) -> bool:
+        return bool(self.verdict(device))
+
+    def verdict(self, device: torch.device):
         if device.type != "cuda":
             return False
         if device not in self._verdicts:
@@ -35,7 +38,7 @@ class ProbedKernel:
         return self._verdicts[device]
 
     @contextlib.contextmanager
-    def assumed(self, verdict: bool, devices: Iterable[torch.device]):
+    def assumed(self, verdict, devices: Iterable[torch.device]):
         """Within the block, the kernel is taken to work (or not) on ``devices`` without a probe."""
         saved = dict(self._verdicts)
         self._verdicts.update({device: verdict for device in devices})

@@ -13,8 +13,12 @@ y = x W^T (forward), dx = g W (input gradient), dW = g^T x (weight gradient): x 
 - ``blockwise`` (DeepSeek-V3's): x and g in 1 x B tiles along the contracted dimension, W in B x B blocks;
   tiles stay inside a TP split or μ-chunk (the config rules), so no amax crosses ranks.
 
-The backward re-quantises the saved x and W with the forward's scales (so a recomputed or split backward uses
-the scales the forward used) rather than saving FP8 copies.
+Tensorwise and delayed quantise x and x^T in one pass in the forward (``quantize_pair``) and save x^T in FP8 for
+the weight gradient, and g and g^T in one pass in the backward. The weight's FP8 copies (W for the forward, W^T
+for the input gradient) and its tensorwise scale are made at its first use in a pipeline step and reused by every
+micro-batch, μ-chunk and recomputed forward of the step (``step_weights``, ``fp8.weight_scales``), as Transformer
+Engine keeps them; outside a step each use makes its own. Blockwise re-quantises the saved x (its tiles run along
+another dimension in the weight gradient).
 """
 from __future__ import annotations
 
@@ -24,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import comm
-from .quantize import (EAGER, FORMATS, Quantized, compiled_kernels, quantize_tensorwise, quantize_tiles,
-                       scale_from_amax, scaled_mm)
+from .quantize import (EAGER, FORMATS, Quantized, compiled_kernels, quantize_pair, quantize_tensorwise,
+                       quantize_tiles, scale_from_amax, scaled_mm)
 
 INPUT, WEIGHT, GRAD = 0, 1, 2  # the operands, as indexed in amax histories
 FORWARD_FORMAT = "e4m3"
@@ -65,6 +69,7 @@ class LinearScaling:
     def __init__(self, recipe: Fp8Recipe, split: tuple[int, ...], group, device=None):
         self.recipe, self.split, self.group = recipe, split, group
         self.weight_scales = None  # tensorwise: the block's step-long weight scales (``fp8.weight_scales``)
+        self.step_weights: dict | None = None  # during a step: the weight's FP8 copies and scale, made once
         self.kernels = compiled_kernels() if recipe.compiled else EAGER
         # delayed scaling before its first history: the step multiplies in the weights' dtype and only records
         # amaxes (a host flag, the same on every rank), where a guessed scale (Transformer Engine's 1) would
@@ -93,10 +98,13 @@ class LinearScaling:
             fixed = self.weight_scales.scale(self)
             if fixed is not None:
                 return fixed
+        r = self.recipe
+        if x.numel() and not (operand in self.split and comm.group_size(self.group) > 1):
+            return self.kernels.scale(x.detach(), r.dtype(operand), r.margin, r.power_of_two)  # amax and scale fused
         amax = self.amax(x)
         if operand in self.split and comm.group_size(self.group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
-        return self.recipe.scale(amax, operand)
+        return r.scale(amax, operand)
 
     def roll_history(self, amax: torch.Tensor) -> None:
         """Delayed: append the step's reduced amax [3] to the history and derive the next step's scales."""
@@ -119,32 +127,61 @@ class LinearScaling:
         r = self.recipe
         return quantize_tiles(x2d, r.block, r.dtype(operand), r.margin, tile_rows, r.power_of_two, self.kernels)
 
-    def forward_operands(self, x2d, weight, weight_scale=None) -> tuple[Quantized, Quantized, tuple]:
-        """(x, W) quantised for y = x W^T, and the scales the backward must reuse; ``weight_scale``: the whole
-        weight's, when ``weight`` is a Domino piece of it (blockwise: pieces are whole blocks)."""
+    def _step_copy(self, key: tuple, weight: torch.Tensor, make):
+        """``make()``, or during a step the value made at the first call for this weight (or piece of it). The
+        entry holds the parameter, so no other tensor can take its id during the step."""
+        if self.step_weights is None:
+            return make()
+        base = weight if weight._base is None else weight._base  # a Domino piece: a view of the parameter
+        key = (*key, id(base), weight.storage_offset(), tuple(weight.shape), tuple(weight.stride()))
+        if key not in self.step_weights:
+            self.step_weights[key] = base, make()
+        return self.step_weights[key][1]
+
+    def weight_scale(self, weight) -> torch.Tensor:
+        return self._step_copy(("scale",), weight, lambda: self.scale(weight, WEIGHT))
+
+    def weight_operand(self, weight, scale=None, transposed: bool = False) -> Quantized:
+        """W (or W^T, rows along the input features) quantised, once per step during a step."""
+        def make():
+            oriented = weight.t() if transposed else weight
+            if self.recipe.kind == "blockwise":
+                return self._tiles(oriented, WEIGHT, self.recipe.block)
+            return self._tensorwise(oriented, WEIGHT, scale)
+        return self._step_copy(("t" if transposed else "w",), weight, make)
+
+    def forward_operands(self, x2d, weight, weight_scale=None) -> tuple[Quantized, Quantized, tuple, torch.Tensor]:
+        """(x, W) quantised for y = x W^T, the scales the backward reuses, and what it keeps of x (x itself, or
+        its FP8 transpose); ``weight_scale``: the whole weight's, when ``weight`` is a Domino piece of it
+        (blockwise: pieces are whole blocks)."""
         if self.recipe.kind == "blockwise":
-            return self._tiles(x2d, INPUT), self._tiles(weight, WEIGHT, self.recipe.block), ()
+            return self._tiles(x2d, INPUT), self.weight_operand(weight), (), x2d
         sx = self.scale(x2d, INPUT)
-        sw = self.scale(weight, WEIGHT) if weight_scale is None else weight_scale
-        return self._tensorwise(x2d, INPUT, sx), self._tensorwise(weight, WEIGHT, sw), (sx, sw)
+        sw = self.weight_scale(weight) if weight_scale is None else weight_scale
+        qx, qxt = quantize_pair(x2d, sx, self.recipe.dtype(INPUT), self.kernels)
+        return qx, self.weight_operand(weight, sw), (sx, sw), qxt.data
 
     def whole_weight_scale(self, weight) -> torch.Tensor | None:
         """The scale every Domino piece of ``weight`` is quantised with (blockwise: each piece's own blocks)."""
-        return None if self.recipe.kind == "blockwise" else self.scale(weight, WEIGHT)
+        return None if self.recipe.kind == "blockwise" else self.weight_scale(weight)
 
     def grad_scale(self, g2d) -> torch.Tensor | None:
         return None if self.recipe.kind == "blockwise" else self.scale(g2d, GRAD)
 
-    def input_grad_operands(self, g2d, weight, scales, gscale) -> tuple[Quantized, Quantized]:
-        """(g along the output features, W^T) for dx = g W, each quantised once per backward (Domino's column
-        pieces take rows of W^T); quantised from the transposed view in one pass."""
+    def grad_operands(self, g2d, gscale) -> tuple[Quantized, Quantized | None]:
+        """(g along the output features, g^T along the tokens or None where blockwise tiles it apart)."""
         if self.recipe.kind == "blockwise":
-            return self._tiles(g2d, GRAD), self._tiles(weight.t(), WEIGHT, self.recipe.block)
-        return self._tensorwise(g2d, GRAD, gscale), self._tensorwise(weight.t(), WEIGHT, scales[1])
+            return self._tiles(g2d, GRAD), None
+        return quantize_pair(g2d, gscale, self.recipe.dtype(GRAD), self.kernels)
 
-    def weight_grad(self, g2d, x2d, scales, gscale) -> torch.Tensor:
-        """dW = g^T x, contracted over the tokens (blockwise: tiles of B tokens)."""
-        gt, xt = g2d.t(), x2d.t()
+    def weight_grad(self, g2d, x, scales, gscale, out_dtype=torch.float32, gt: Quantized | None = None):
+        """dW = g^T x, contracted over the tokens (blockwise: tiles of B tokens); ``x``: the input, or its FP8
+        transpose (``forward_operands``); ``gt``: g^T quantised already."""
         if self.recipe.kind == "blockwise":
-            return scaled_mm(self._tiles(gt, GRAD), self._tiles(xt, INPUT), torch.float32)
-        return scaled_mm(self._tensorwise(gt, GRAD, gscale), self._tensorwise(xt, INPUT, scales[0]), torch.float32)
+            return scaled_mm(self._tiles(g2d.t(), GRAD), self._tiles(x.t(), INPUT), out_dtype)
+        gt = self._tensorwise(g2d.t(), GRAD, gscale) if gt is None else gt
+        if x.dtype in FORMATS.values():
+            xt = Quantized(x, scales[0].float().reshape(()))
+        else:
+            xt = self._tensorwise(x.t(), INPUT, scales[0])
+        return scaled_mm(gt, xt, out_dtype)

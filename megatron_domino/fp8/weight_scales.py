@@ -1,4 +1,10 @@
-"""Tensorwise FP8's weight scales in one all-reduce per block and step, instead of one per weight and use.
+"""During a pipeline step the weights do not change: each FP8 linear's weight copies (W and W^T, and at tp 1 its
+tensorwise scale) are made once per step (``LinearScaling.step_weights``), and tensorwise weight scales of TP-split
+weights come from one all-reduce per block and step, instead of one per weight and use.
+
+The copies cost a byte per weight element each, held for the step (Transformer Engine keeps the same); they are
+kept only for linears with a weight of their own (not routed experts, which share a scaling) and not under
+ZeRO-3, whose gathered weights are released within the step and whose buffers another layer reuses.
 
 A tensor-parallel weight's tensorwise scale needs its amax reduced with MAX over TP (``scaling``). Asked for
 at every use, that is one small all-reduce per linear, Domino μ-chunk, micro-batch and recomputed forward, each
@@ -70,14 +76,31 @@ def _groups(chunk) -> list[BlockWeightScales]:
     return chunk._fp8_weight_scales
 
 
+def _own_weight_scalings(chunks) -> list[LinearScaling]:
+    """The FP8 scalings that serve one module each (a routed expert's is shared by the layer's experts)."""
+    owners: dict[int, list] = {}
+    for chunk in chunks:
+        for module in chunk.modules():
+            scaling = getattr(module, "fp8", None)
+            if isinstance(scaling, LinearScaling):
+                owners.setdefault(id(scaling), []).append(scaling)
+    return [shared[0] for shared in owners.values() if len(shared) == 1]
+
+
 @contextlib.contextmanager
-def fixed_for_the_step(chunks):
-    """Within: the weights stay as they are, so each block's weight scales are reduced once and reused."""
+def fixed_for_the_step(chunks, keep_copies: bool = True):
+    """Within: the weights stay as they are, so each block's weight scales are reduced once and reused, and
+    (``keep_copies``: not under ZeRO-3) each linear's FP8 weight copies are made once and reused."""
     groups = [group for chunk in chunks for group in _groups(chunk)]
+    scalings = _own_weight_scalings(chunks) if keep_copies else []
     for group in groups:
         group.active, group.scales = True, None
+    for scaling in scalings:
+        scaling.step_weights = {}
     try:
         yield
     finally:
         for group in groups:
             group.active, group.scales = False, None
+        for scaling in scalings:
+            scaling.step_weights = None

@@ -57,6 +57,7 @@ class PipelineEngine:
                                          overlap_units=device if f_and_b_turns(par) else None,
                                          turn_taking=state.turns)
         self.device = device
+        self.keep_fp8_weights = cfg.optimizer.zero_stage != 3  # ZeRO-3 releases (and reuses) gathered weights
 
     def _loss(self, per_token: torch.Tensor, batch: dict):
         if self.mtp_depth:  # [b, s, 1 + D]: the next token's loss, then each depth's (masked here)
@@ -88,7 +89,7 @@ class PipelineEngine:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.mtp_depth:
             self._mtp_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        with fixed_for_the_step(self.chunks):
+        with fixed_for_the_step(self.chunks, keep_copies=self.keep_fp8_weights):
             for loss in self.executor.run(program, DeviceBatches(microbatches, self.device)):
                 loss_sum += loss.double()
         if self.mtp_depth:  # each depth's mean over the main loss's tokens, averaged over the depths

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_map
 
 from . import shadows
 from .host_syncs import pinned
-from .kernels import scaled_mm_into
+from .kernels import SCALED_MM_INTO, scaled_mm_into
 from .shadows import is_fake, tensors_in
 
 aten, c10d = torch.ops.aten, torch.ops.c10d
@@ -47,8 +47,8 @@ class RehearsalMode(TorchDispatchMode):
             return self._pin(args[0])
         if func is aten.is_pinned.default:
             return pinned(args[0])
-        if func is aten._scaled_mm.out:
-            return scaled_mm_into(args, kwargs)
+        if func in SCALED_MM_INTO:
+            return scaled_mm_into(func, args, kwargs)
         self.syncs.check(func, args, kwargs)
         if func is aten._local_scalar_dense.default and is_fake(args[0]):
             return self._read(args[0])

@@ -8,9 +8,10 @@ otherwise fall back to their decomposed reference, which saves more for backward
   are; memory-efficient: also fp32, K/V heads expanded to the query heads). Nothing usable raises the
   error CUDA raises ("No available kernel"), so a pinned kernel that cannot run fails here as on the GPU;
 - ``rms_norm``: CUDA's fused kernel, which saves its input and the fp32 reciprocal RMS only.
-One op has no fake kernel: ``torch._scaled_mm`` into ``out`` (FP8's GEMM). ``scaled_mm_into`` runs it as the
-plain op, whose fake kernel checks what CUDA's does (dimensions of 16, row- and column-major operands, the
-scales' shapes); the dispatch mode calls it, since a torch-function mode is off inside ``autograd.backward``.
+Two ops have no fake kernel: ``torch._scaled_mm`` and v2's ``aten._scaled_mm_v2`` into ``out`` (FP8's GEMMs).
+``scaled_mm_into`` runs each as the plain op, whose fake kernel checks what CUDA's does (dimensions of 16, row-
+and column-major operands, the scales' shapes; v2 also the blocks' padded layout); the dispatch mode calls it,
+since a torch-function mode is off inside ``autograd.backward``.
 The FP8 kernels' probes cannot run on fake tensors: ``fp8_kernels_present`` answers them for the GPU rehearsed.
 The math kernel and everything else run as the CPU build has them (the same ops CUDA runs).
 """
@@ -70,11 +71,17 @@ def fp8_kernels_present(devices: int):
         yield
 
 
-def scaled_mm_into(args, kwargs):
-    """``aten._scaled_mm.out`` on fake tensors: the plain op, copied into ``out``."""
+# FP8's GEMMs into a buffer (no fake kernel) -> the plain op (one)
+SCALED_MM_INTO = {aten._scaled_mm.out: aten._scaled_mm.default}
+if hasattr(aten, "_scaled_mm_v2"):
+    SCALED_MM_INTO[aten._scaled_mm_v2.out] = aten._scaled_mm_v2.default
+
+
+def scaled_mm_into(func, args, kwargs):
+    """An op of ``SCALED_MM_INTO`` on fake tensors: the plain op, copied into ``out``."""
     kwargs = dict(kwargs)
     out = kwargs.pop("out")
-    return out.copy_(aten._scaled_mm.default(*args, **kwargs))
+    return out.copy_(SCALED_MM_INTO[func](*args, **kwargs))
 
 
 class FusedRMSNorm(torch.autograd.Function):

@@ -193,12 +193,13 @@ class LinearWithAsyncInputGradient(torch.autograd.Function):
     def forward(ctx, x, weight, bias, pending: PendingInputGradient, fp8=None):
         if pending.sequence_parallel:  # this rank's sequence slice -> the whole sequence
             x = comm.gather_sequence(x, pending.group)
-        ctx.save_for_backward(x, weight)
         ctx.pending, ctx.has_bias, ctx.fp8, ctx.scales = pending, bias is not None, fp8, None
         ctx.gradients = (True, True)  # (input, weight); ``gradient_pass`` narrows it for a split backward
         if fp8 is None:
+            ctx.save_for_backward(x, weight)
             return F.linear(x, weight, bias)
-        out, ctx.scales = fp8_forward(x, weight, bias, fp8)
+        out, ctx.scales, saved = fp8_forward(x, weight, bias, fp8)  # saved: x, or its FP8 transpose
+        ctx.save_for_backward(saved, weight)
         return out
 
     @staticmethod
