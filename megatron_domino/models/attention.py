@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -141,6 +142,8 @@ class Attention(AttentionPhase):
         self.queries_per_group, self.local_groups, self.head_dim = heads // groups, groups // ctx.size, head_dim
         self.qkv = ColumnParallelLinear(cfg.hidden_size, (heads + 2 * groups) * head_dim, ctx,
                                         bias=cfg.has_qkv_bias, init_std=cfg.init_std)
+        declare(self.qkv, "weight", self.qkv.weight,  # where Q, K and V lie: Muon's split_qkv, MuonClip
+                replace(self.qkv.param_info["weight"], heads=(groups, heads // groups, head_dim)))
         self.q_norm = _head_norm(cfg, ctx) if cfg.qk_norm else None
         self.k_norm = _head_norm(cfg, ctx) if cfg.qk_norm else None
         self.queries_first = self.ulysses is not None and ctx.fp8 is None

@@ -38,7 +38,10 @@ from .grad_buffer import Fragment, GradBuffer
 from .grad_norm import global_norm, local_squared_norm
 from .loss_scaler import found_inf_across_ranks, loss_scaler_from_config
 from .host_step import offload_step
-from .param_groups import STATE_KEYS, build_inner_optimizer, load_inner_state, weight_decay_groups
+from .low_precision import DTYPES
+from .muon import MOMENTUM, MuonStep
+from .muon_plan import describe
+from .param_groups import InnerSteps
 from .weight_hooks import shard_model_weights, sharded_weight, unit_keys
 
 
@@ -51,6 +54,7 @@ class OwnedFragment:
     info: object  # the parameter's sharding-table row (``tensor_parallel.ParamInfo``)
     master: torch.Tensor  # the fp32 master of the fragment (flat)
     states: dict  # the inner optimizer's state tensors for it by name (none before the first step)
+    keys: tuple[str, ...]  # the names of the state tensors it has once stepped
 
 
 class DistributedOptimizer:
@@ -68,11 +72,11 @@ class DistributedOptimizer:
         over their own replicas, the norm over TP and the pipeline."""
         return cls(model_chunks, opt, dp_group=state.dp_cp_group, tp_rank=state.tp_rank,
                    norm_groups=[state.tp_group, state.pp_group], fp16=fp16, bf16=bf16, bucket_alone=bucket_alone,
-                   expert_dp_group=state.expert_dp_group, ep_group=state.ep_group)
+                   expert_dp_group=state.expert_dp_group, ep_group=state.ep_group, tp_group=state.tp_group)
 
     def __init__(self, model_chunks: list[torch.nn.Module], opt: OptimizerConfig, *, dp_group, tp_rank: int,
                  norm_groups: list, fp16: bool = False, bf16: bool = False, bucket_alone: tuple[str, ...] = (),
-                 expert_dp_group=None, ep_group=None):
+                 expert_dp_group=None, ep_group=None, tp_group=None):
         if fp16 and bf16:
             raise ConfigError("train.fp16 / train.bf16", (fp16, bf16), "at most one precision may be chosen",
                               "set one of them to false")
@@ -96,13 +100,16 @@ class DistributedOptimizer:
         self.units = shard_model_weights(model_chunks, self.buffers, units, opt) if units else None
         self.fragments: list[Fragment] = [f for buffer in self.buffers for f in buffer.fragments()]
         self.device = self.buffers[0].device if self.buffers else torch.device("cpu")
-        self.host = offload_step(model_chunks, self.buffers, self.fragments, opt, self.device, self.units)
+        self.muon = self._muon(tp_group) if opt.name == "muon" else None
+        scales = {i: self.muon.scale_of(i) for i in range(len(self.fragments))} if self.muon is not None else {}
+        self.host = offload_step(model_chunks, self.buffers, self.fragments, opt, self.device, self.units, scales)
+        dtype = DTYPES[opt.master_dtype]
         self.masters = [self.host.masters[i] if i in self.host.masters  # offloaded: a host copy
-                        else f.data if f.data.dtype == torch.float32 else f.data.float()  # fp32 weights: themselves
+                        else f.data if f.data.dtype == dtype else f.data.to(dtype)  # weights of its dtype: themselves
                         for i, f in enumerate(self.fragments)]
-        groups = weight_decay_groups([(m, f.param) for i, (m, f) in enumerate(zip(self.masters, self.fragments))
-                                      if i not in self.host.masters], opt.weight_decay)
-        self.optimizer = build_inner_optimizer(groups, opt) if groups else None  # the device's masters
+        on_device = [(m, f.param, scales.get(i)) for i, (m, f) in enumerate(zip(self.masters, self.fragments))
+                     if i not in self.host.masters]
+        self.optimizer = InnerSteps(on_device, opt) if on_device else None  # the device's masters
         self._fragment_of = {id(f.param): f for f in self.fragments}
         self._buffer_of = {id(p): buffer for buffer in self.buffers for p in buffer.params}
         for buffer in self.buffers:
@@ -130,6 +137,13 @@ class DistributedOptimizer:
                                           alone=lambda p: self.names.get(id(p)) in self.bucket_alone,
                                           shard_weights=sharded, unit_of=lambda p: units.get(id(p))))
         return buffers
+
+    def _muon(self, tp_group) -> MuonStep:
+        """Muon's plan over every 2-D hidden weight this rank's buffers hold (the rest is AdamW's)."""
+        tp = comm.group_size(tp_group)
+        entries = [(describe(p, self.infos[id(p)], buffer, tp, self.opt), buffer.group) for buffer in self.buffers
+                   for p in buffer.params if self.infos[id(p)].matrix and p.dim() == 2]
+        return MuonStep(entries, self.fragments, self.opt, tp_group, self.device)
 
     # ----- the step's brackets ---------------------------------------------------------------------
     @property
@@ -225,22 +239,20 @@ class DistributedOptimizer:
         return dense + experts
 
     def _update(self, lr: float) -> None:
-        """The host thread takes the offloaded buckets; the device steps its own masters meanwhile."""
+        """Muon orthogonalizes first (collective); then the host thread takes the offloaded buckets and the
+        device steps its own masters meanwhile."""
+        updates = self.muon.orthogonalize() if self.muon is not None else {}
         if self.host.order:
-            self.host.launch(lr)
+            self.host.launch(lr, updates, self.steps + 1)
         if self.optimizer is None:
             return
-        on_device = [(m, f) for i, (m, f) in enumerate(zip(self.masters, self.fragments)) if i not in self.host.masters]
-        for master, fragment in on_device:
-            master.grad = fragment.grad if fragment.grad.dtype == torch.float32 else fragment.grad.float()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        copies = [(f.data, m) for m, f in on_device if m is not f.data]
+        on_device = [(i, m, f) for i, (m, f) in enumerate(zip(self.masters, self.fragments))
+                     if i not in self.host.masters]
+        self.optimizer.step(lr, {id(m): updates[i] if i in updates else f.grad if f.grad.dtype == torch.float32
+                                 else f.grad.float() for i, m, f in on_device}, self.steps + 1)
+        copies = [(f.data, m) for _, m, f in on_device if m is not f.data]
         if copies:
             torch._foreach_copy_([data for data, _ in copies], [master for _, master in copies])
-        for master, _ in on_device:
-            master.grad = None
 
     def settle(self) -> None:
         """Complete the offloaded host step now (before reading or writing weights or masters from outside)."""
@@ -266,41 +278,65 @@ class DistributedOptimizer:
     # ----- what a checkpoint needs (optim/sharded_state.py places it in layout-free full tensors) ---------
     def owned_fragments(self) -> list[OwnedFragment]:
         self.host.settle()
-        states = {m: state for inner in self._inner() for m, state in inner.state.items()}
+        states = {m: state for inner in self._inner() for m, state in inner.states().items()}
         return [OwnedFragment(f, self.infos[id(f.param)].tied_to or self.names[id(f.param)], self.infos[id(f.param)],
-                              m, states.get(m, {})) for f, m in zip(self.fragments, self.masters)]
+                              m, {**states.get(m, {}), **self._muon_state(i)}, self.state_keys_of(i))
+                for i, (f, m) in enumerate(zip(self.fragments, self.masters))]
 
-    def _inner(self) -> list[torch.optim.Optimizer]:
+    def _inner(self) -> list[InnerSteps]:
         """The inner optimizers: the device's, and the host's for offloaded masters (either may be absent)."""
         return [inner for inner in (self.optimizer, self.host.optimizer) if inner is not None]
 
-    def state_keys(self) -> tuple[str, ...]:
-        """The inner optimizer's per-parameter state tensors (Adam's moments, SGD's momentum; none without one)."""
-        return STATE_KEYS[self.opt.name] if self._inner() else ()
+    def _muon_state(self, index: int) -> dict:
+        return self.muon.state_of(index) if self.muon is not None else {}
+
+    def _inner_of(self, index: int) -> InnerSteps:
+        return self.host.optimizer if index in self.host.masters else self.optimizer
+
+    def state_keys_of(self, index: int) -> tuple[str, ...]:
+        """Fragment ``index``'s per-element state tensors: Adam's moments, SGD's or Muon's momentum, a bf16
+        master's compensation."""
+        muon = (MOMENTUM,) if self.muon is not None and self.muon.scale_of(index) is not None else ()
+        return muon + self._inner_of(index).keys(self.masters[index])
+
+    def new_state(self, index: int, key: str) -> torch.Tensor:
+        """An empty tensor of the dtype and place fragment ``index``'s state ``key`` takes (a load reads into it)."""
+        if key == MOMENTUM:
+            return self.muon.new_state(index)
+        return self._inner_of(index).new_state(self.masters[index], key)
 
     def scalars(self) -> dict:
         """The optimizer's scalars, the same on every rank: the loss scaler's state and the step count."""
         return {"scaler": self.scaler.state_dict(), "step": self.steps}
 
     def load(self, states: list[dict], scalars: dict) -> None:
-        """Take loaded state tensors (per owned fragment, in ``owned_fragments`` order) and ``scalars``."""
+        """Take loaded state tensors (per owned fragment, in ``owned_fragments`` order) and ``scalars``. A state
+        left out starts afresh (an AdamW checkpoint holds no Muon momentum; Adam's moments restart at step 0)."""
         self.host.settle()
         step = int(scalars["step"])
-        if any(states):
-            by_master = {id(m): entry for m, entry in zip(self.masters, states)}
-            for inner in self._inner():
-                load_inner_state(inner, by_master, step, self.opt)
+        by_master = {id(m): {k: v for k, v in entry.items() if k != MOMENTUM} for m, entry in zip(self.masters, states)}
+        for inner in self._inner():
+            inner.load(by_master, step)
+        if self.muon is not None:
+            self.muon.load({i: entry[MOMENTUM] for i, entry in enumerate(states) if MOMENTUM in entry})
         self.scaler.load_state_dict(scalars["scaler"])
         self.steps = step
         if self.units is not None:  # the weights were loaded too: no gathered copy of the old ones survives
             self.units.release_all()
+
+    def device_state(self) -> list[torch.Tensor]:
+        """The optimizer state tensors held on the device (not the host's): moments, momenta, compensations."""
+        states = list(self.optimizer.states().values()) if self.optimizer is not None else []
+        held = [t for state in states for t in state.values() if torch.is_tensor(t)]
+        return held + (list(self.muon.momentum.values()) if self.muon is not None else [])
 
     # ----- accounting ------------------------------------------------------------------------------------
     def memory_report(self) -> dict:
         """Bytes held on this rank: ``master_bytes`` even where masters are the fp32 weights; ``params``, weight
         elements; ``host_bytes``, masters and optimizer state offloaded (``optimizer.offload``); ``weight_bytes``,
         weights held now (ZeRO-3: shard + gathered layers); ``gathered_peak_bytes``, ZeRO-3's most gathered."""
-        states = [state for inner in self._inner() for state in inner.state.values()]
+        states = [state for inner in self._inner() for state in inner.states().values()]
+        states += [{MOMENTUM: m} for m in (self.muon.momentum.values() if self.muon is not None else [])]
         return {
             "params": sum(p.numel() for buffer in self.buffers for p in buffer.params),
             "master_bytes": sum(m.numel() * m.element_size() for m in self.masters),

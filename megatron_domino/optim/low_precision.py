@@ -1,0 +1,129 @@
+"""Optimizer state below fp32: bf16 moments, and bf16 masters that take updates without losing them.
+
+``optimizer.moments_dtype: bf16`` keeps Adam's two moments (and Muon's momentum) in bf16, 2 bytes each instead
+of 4: they are read into fp32, updated there and rounded to nearest (Megatron's precision-aware optimizer).
+
+``optimizer.master_dtype: bf16`` makes the bf16 weights their own masters (no 4-byte fp32 copy). An update much
+smaller than a weight's last bf16 bit would then round away every step; ``master_rounding`` says how it survives:
+- ``stochastic``: rounded up or down at random, with the probability of the distance (16 random bits added to
+  the fp32 value's low half, which is then cut), so the expected weight is the exact one; no extra state. The
+  random stream restarts each step from the step number, so a resumed run draws the same bits;
+- ``compensated``: a bf16 compensation per weight keeps what rounding lost (Kahan's sum), added back before the
+  next update: weight + compensation carries about 16 significant bits, for 2 more bytes per weight.
+
+Both take their masters' gradients (updates) in ``inputs``, not ``.grad``, whose dtype must be the master's.
+``LowPrecisionAdamW`` is torch's AdamW (decoupled decay, bias-corrected moments) in that arithmetic; with fp32
+state it computes what torch's single-tensor AdamW does. ``MuonApply`` is Muon's last line, the decay and the
+orthogonalized update of a master (``optim/muon.py`` computes the update).
+"""
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SEED = 0x5EED  # the stochastic rounding's stream: SEED + step
+
+
+def stochastic_round(value: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """fp32 ``value`` to bf16, up or down at random with the probability of the distance to each."""
+    noise = torch.randint(0, 1 << 16, value.shape, dtype=torch.int32, device=value.device, generator=generator)
+    return ((value.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+class _Masters(torch.optim.Optimizer):
+    """What both rules share: reading a master into fp32 (plus its compensation), writing it back rounded."""
+
+    def __init__(self, params, defaults: dict, rounding: str):
+        super().__init__(params, defaults)
+        self.rounding = rounding
+        self.inputs: dict[int, torch.Tensor] = {}  # id(master) -> its gradient or update, set before each step
+        self._generator: torch.Generator | None = None
+
+    def _compensated(self, master: torch.Tensor) -> bool:
+        return master.dtype == torch.bfloat16 and self.rounding == "compensated"
+
+    def _begin(self, master: torch.Tensor, state: dict) -> torch.Tensor:
+        """The master's value in fp32: the master itself when it is fp32 (updated in place)."""
+        if master.dtype == torch.float32:
+            return master
+        if self._compensated(master):
+            if "master_compensation" not in state:
+                state["master_compensation"] = torch.zeros_like(master)
+            return master.float().add_(state["master_compensation"])
+        return master.float()
+
+    def _end(self, master: torch.Tensor, value: torch.Tensor, state: dict, step: int) -> None:
+        if value is master:
+            return
+        if self._compensated(master):
+            master.copy_(value)
+            state["master_compensation"].copy_(value - master.float())
+            return
+        if self._generator is None or self._generator.device != master.device:
+            self._generator = torch.Generator(master.device)
+            self._seeded_for = None
+        if self._seeded_for != step:  # one stream per step, drawn in the masters' order
+            self._generator.manual_seed(SEED + step)
+            self._seeded_for = step
+        master.copy_(stochastic_round(value, self._generator))
+
+
+class LowPrecisionAdamW(_Masters):
+    """AdamW with ``moments_dtype`` moments and masters in their own dtype (see the module docstring)."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], eps: float, moments_dtype: torch.dtype,
+                 rounding: str):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0}, rounding)
+        self.moments_dtype = moments_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, wd, eps, (beta1, beta2) = group["lr"], group["weight_decay"], group["eps"], group["betas"]
+            for master in group["params"]:
+                grad = self.inputs.get(id(master))
+                if grad is None:
+                    continue
+                state = self.state[master]
+                if "step" not in state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(master, dtype=self.moments_dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(master, dtype=self.moments_dtype)
+                state["step"] += 1
+                step = int(state["step"].item())  # a host tensor: no device sync
+                grad = grad.float()
+                exp_avg, exp_avg_sq = state["exp_avg"].float(), state["exp_avg_sq"].float()
+                exp_avg.lerp_(grad, 1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                value = self._begin(master, state)
+                value.mul_(1 - lr * wd)
+                denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
+                value.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1 ** step))
+                self._end(master, value, state, step)
+                if state["exp_avg"] is not exp_avg:
+                    state["exp_avg"].copy_(exp_avg)
+                    state["exp_avg_sq"].copy_(exp_avg_sq)
+
+
+class MuonApply(_Masters):
+    """master <- master (1 - lr wd) - lr s O, with O (its ``inputs``) the orthogonalized update of its matrix and
+    s its scale (``scales``: id(master) -> s); torch.optim.Muon's last two lines."""
+
+    def __init__(self, params, lr: float, scales: dict[int, float], rounding: str):
+        super().__init__(params, {"lr": lr, "weight_decay": 0.0}, rounding)
+        self.scales = scales
+        self.number = 1  # the optimizer step being taken (the stochastic rounding's stream): its caller sets it
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for master in group["params"]:
+                update = self.inputs.get(id(master))
+                if update is None:
+                    continue
+                state = self.state[master]
+                value = self._begin(master, state)
+                value.mul_(1 - lr * wd)
+                value.add_(update, alpha=-lr * self.scales[id(master)])
+                self._end(master, value, state, self.number)

@@ -1,0 +1,93 @@
+"""Muon on one process: torch.optim.Muon's arithmetic on the logical matrices, AdamW's on the rest; the owners'
+plan; the config's refusals."""
+import pytest
+import torch
+
+from megatron_domino.config import Config
+from megatron_domino.config.errors import ConfigError
+from megatron_domino.models import LanguageModel, initialize_weights
+from megatron_domino.optim.distributed_optimizer import DistributedOptimizer
+from megatron_domino.optim.muon_plan import assign_owners
+from megatron_domino.validation import validate_config
+from tests.muon_setup import GPT, LLAMA, TorchMuonReference, muon_config
+from tests.zero_setup import assert_rel
+
+SEED, STEPS = 5, 4
+
+
+def _data(cfg, steps=STEPS, batch=4):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=g),
+             torch.randint(0, cfg.vocab_size, (batch, cfg.seq_length), generator=g)) for _ in range(steps)]
+
+
+def _loss(model, tokens, labels):
+    return model(None, {"tokens": tokens, "labels": labels}).mean()
+
+
+@pytest.mark.parametrize("cfg, overrides", [
+    (GPT, {}), (LLAMA, {}), (LLAMA, {"muon_split_qkv": False, "muon_scale": "moonlight"}),
+    (LLAMA, {"muon_nesterov": False, "muon_ns_steps": 3, "zero_stage": 0})])
+def test_one_process_equals_torch_muon_and_adamw(cfg, overrides):
+    """Every weight within 1e-6 of torch.optim.Muon (bf16 Newton-Schulz, the same scale rule) on Q, K, V, the
+    output projection and the MLP's matrices, with torch.optim.AdamW on the embeddings, norms and head, step after
+    step from the same weights and clipped gradients (``muon_setup.TorchMuonReference``)."""
+    opt = muon_config(**overrides)
+    reference = TorchMuonReference(cfg, opt, SEED)
+    model = LanguageModel(cfg)
+    initialize_weights(model, SEED)
+    dopt = DistributedOptimizer([model], opt, dp_group=None, tp_rank=0, norm_groups=[])
+    params = dict(model.named_global_parameters())
+    for tokens, labels in _data(cfg):
+        before = {name: p.detach().clone() for name, p in params.items()}
+        dopt.zero_grad()
+        dopt.begin_backward(True)
+        _loss(model, tokens, labels).backward()
+        dopt.finish_grad_sync()
+        assert dopt.step(opt.lr)[0]
+        clipped = {name: dopt.reduced_grad(p).view_as(p).clone() for name, p in params.items()}
+        expected = reference.step(before, clipped)
+        for name, param in params.items():
+            assert_rel(param.detach(), expected[name], name, 1e-6)
+    per_layer = (3 if opt.muon_split_qkv else 1) + 1 + (3 if cfg.activation == "swiglu" else 2)
+    assert dopt.muon.orthogonalized == STEPS * per_layer * cfg.num_layers  # every matrix once per step
+
+
+def test_owners_balance_by_flops():
+    """Longest first to the least loaded: ties go to the earliest slot, every slot within one item of the mean."""
+    costs = [5, 3, 3, 2, 2, 1, 1, 1]
+    owners = assign_owners(costs, ["a", "b", "c"])
+    assert owners == ["a", "b", "c", "b", "c", "a", "b", "c"]
+    loads = {slot: sum(c for c, o in zip(costs, owners) if o == slot) for slot in "abc"}
+    assert max(loads.values()) - min(loads.values()) <= max(costs)
+
+
+def _problems(**optimizer):
+    cfg = Config(model=GPT)
+    for key, value in optimizer.items():
+        setattr(cfg.optimizer, key, value)
+    with pytest.raises(ConfigError) as caught:
+        validate_config(cfg, world_size=1, check_paths=False)
+    return [str(p) for p in caught.value.problems]
+
+
+def test_bad_muon_and_state_settings_are_refused_before_any_group():
+    """Each refusal names key, value, rule and fix."""
+    scale = _problems(name="muon", muon_scale="rms")
+    assert any(p.startswith("optimizer.muon_scale = 'rms': must be one of spectral, moonlight. Fix:") for p in scale)
+    fp8 = _problems(name="adamw", moments_dtype="fp8")
+    assert any(p.startswith("optimizer.moments_dtype = 'fp8': is not supported") and "Fix: use" in p for p in fp8)
+    masters = _problems(master_dtype="bf16")
+    assert any(p.startswith("optimizer.master_dtype = 'bf16'") and "train.bf16=true" in p for p in masters)
+    clip = _problems(name="adamw", muon_qk_clip=100.0)
+    assert any(p.startswith("optimizer.muon_qk_clip = 100.0") for p in clip)
+
+
+def test_muon_without_matrices_is_refused():
+    """A model with no 2-D hidden weight (no blocks) has nothing for Muon: refused, not silently all AdamW."""
+    cfg = Config(model=GPT)
+    cfg.optimizer.name, cfg.model.num_layers = "muon", 0
+    with pytest.raises(ConfigError) as caught:
+        validate_config(cfg, world_size=1, check_paths=False)
+    assert any(str(p).startswith("optimizer.name = 'muon': orthogonalizes the 2-D hidden weights")
+               and "Fix: use optimizer.name=adamw" in str(p) for p in caught.value.problems)
