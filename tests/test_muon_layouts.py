@@ -6,7 +6,6 @@ NCCL's pairing (what a rank sends a peer is what the peer receives, in the same 
 from dataclasses import replace
 
 import pytest
-import torch.distributed as dist
 
 from megatron_domino.data.loader import collate
 from megatron_domino.models.ring_attention import split_for_context_parallel

@@ -38,7 +38,7 @@ from .grad_buffer import Fragment, GradBuffer
 from .grad_norm import global_norm, local_squared_norm
 from .loss_scaler import found_inf_across_ranks, loss_scaler_from_config
 from .host_step import offload_step
-from .low_precision import DTYPES
+from .low_precision import DTYPES, stream_key
 from .muon import MOMENTUM, MuonStep
 from .muon_plan import describe
 from .param_groups import InnerSteps
@@ -102,12 +102,13 @@ class DistributedOptimizer:
         self.device = self.buffers[0].device if self.buffers else torch.device("cpu")
         self.muon = self._muon(tp_group) if opt.name == "muon" else None
         scales = {i: self.muon.scale_of(i) for i in range(len(self.fragments))} if self.muon is not None else {}
-        self.host = offload_step(model_chunks, self.buffers, self.fragments, opt, self.device, self.units, scales)
+        keys = [stream_key(self.infos[id(f.param)].tied_to or self.names[id(f.param)], f.start) for f in self.fragments]
+        self.host = offload_step(model_chunks, self.buffers, self.fragments, opt, self.device, self.units, scales, keys)
         dtype = DTYPES[opt.master_dtype]
         self.masters = [self.host.masters[i] if i in self.host.masters  # offloaded: a host copy
                         else f.data if f.data.dtype == dtype else f.data.to(dtype)  # weights of its dtype: themselves
                         for i, f in enumerate(self.fragments)]
-        on_device = [(m, f.param, scales.get(i)) for i, (m, f) in enumerate(zip(self.masters, self.fragments))
+        on_device = [(m, f.param, scales.get(i), keys[i]) for i, (m, f) in enumerate(zip(self.masters, self.fragments))
                      if i not in self.host.masters]
         self.optimizer = InnerSteps(on_device, opt) if on_device else None  # the device's masters
         self._fragment_of = {id(f.param): f for f in self.fragments}

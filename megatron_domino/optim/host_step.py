@@ -51,7 +51,7 @@ class HostStep:
     optimizer's buffers in bucket order; ``forward_rank``: id(parameter) -> its place in the forward order."""
 
     def __init__(self, placed: list[tuple], fragments: list, opt, forward_rank: dict[int, int],
-                 device: torch.device, scales: dict[int, float | None]):
+                 device: torch.device, scales: dict[int, float | None], keys: list[int]):
         self.fragments, self.device, self.overlap = fragments, device, opt.overlap_offload_step
         chosen = _whole_buckets(placed, opt.offload_fraction if opt.offload else 0.0)
         self.order = sorted(chosen, key=lambda pair: min(forward_rank[id(p)] for p in pair[1].params))
@@ -67,8 +67,8 @@ class HostStep:
                 self.masters[i].copy_(data)
                 arrives = NS_DTYPES[opt.muon_ns_dtype] if scales.get(i) is not None else torch.float32
                 self.grads[i] = torch.empty(data.numel(), dtype=arrives, pin_memory=pinned)
-        self.optimizer = (InnerSteps([(self.masters[i], fragments[i].param, scales.get(i)) for i in self.masters], opt)
-                          if self.masters else None)
+        self.optimizer = (InnerSteps([(self.masters[i], fragments[i].param, scales.get(i), keys[i])
+                                      for i in self.masters], opt) if self.masters else None)
         self.lr, self.number = opt.lr, 0
         self.jobs: list = []  # this step's host steps, one per bucket of ``order``
         self.done = len(self.order)  # buckets of ``order`` completed since the last launch
@@ -130,13 +130,14 @@ class HostStep:
 
 
 def offload_step(model_chunks, buffers: list, fragments: list, opt, device: torch.device, units,
-                 scales: dict[int, float | None]) -> HostStep:
+                 scales: dict[int, float | None], keys: list[int]) -> HostStep:
     """The host step of an optimizer's ``buffers`` (empty without ``optimizer.offload``), completed where the next
     forward needs a bucket: at its ZeRO-3 gather (``units``, or None), or at the first read of a weight of a
-    replicated bucket. ``scales``: Muon's scale of each fragment's matrix (by index; absent or None: not Muon's)."""
+    replicated bucket. ``scales``: Muon's scale of each fragment's matrix (by index; absent or None: not Muon's);
+    ``keys``: each fragment's stochastic-rounding stream (``low_precision.stream_key``)."""
     order = {id(p): i for i, p in enumerate(p for chunk in model_chunks for p in chunk.parameters())}
     host = HostStep([(b.weights, bucket) for b in buffers for bucket in b.buckets], fragments, opt, order, device,
-                    scales)
+                    scales, keys)
     watch_reads(model_chunks, {id(p): functools.partial(host.finish, bucket) for store, bucket in host.order
                                if not store.sharded for p in bucket.params})
     if units is not None:

@@ -6,8 +6,9 @@ of 4: they are read into fp32, updated there and rounded to nearest (Megatron's 
 ``optimizer.master_dtype: bf16`` makes the bf16 weights their own masters (no 4-byte fp32 copy). An update much
 smaller than a weight's last bf16 bit would then round away every step; ``master_rounding`` says how it survives:
 - ``stochastic``: rounded up or down at random, with the probability of the distance (16 random bits added to
-  the fp32 value's low half, which is then cut), so the expected weight is the exact one; no extra state. The
-  random stream restarts each step from the step number, so a resumed run draws the same bits;
+  the fp32 value's low half, which is then cut), so the expected weight is the exact one; no extra state. Each
+  fragment draws from a stream of its own, seeded by the step, its parameter and its offset, so that copies of it
+  (TP ranks, the tied embedding's stages), a resumed run and the host's step under offload draw the same bits;
 - ``compensated``: a bf16 compensation per weight keeps what rounding lost (Kahan's sum), added back before the
   next update: weight + compensation carries about 16 significant bits, for 2 more bytes per weight.
 
@@ -18,10 +19,19 @@ orthogonalized update of a master (``optim/muon.py`` computes the update).
 """
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-SEED = 0x5EED  # the stochastic rounding's stream: SEED + step
+SEED = 0x5EED  # the stochastic rounding's streams: seeded by (SEED, step, fragment)
+
+
+def stream_key(name: str, start: int) -> int:
+    """The random stream of the fragment of parameter ``name`` (its stored name: a tied copy takes its original's)
+    that begins at element ``start``: the same on every rank holding that fragment (TP copies, ZeRO-0 replicas,
+    the tied embedding's two stages), so that copies round alike and stay equal."""
+    return zlib.crc32(f"{name}:{start}".encode())
 
 
 def stochastic_round(value: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -37,6 +47,7 @@ class _Masters(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.rounding = rounding
         self.inputs: dict[int, torch.Tensor] = {}  # id(master) -> its gradient or update, set before each step
+        self.keys: dict[int, int] = {}  # id(master) -> its random stream (``stream_key``)
         self._generator: torch.Generator | None = None
 
     def _compensated(self, master: torch.Tensor) -> bool:
@@ -61,10 +72,8 @@ class _Masters(torch.optim.Optimizer):
             return
         if self._generator is None or self._generator.device != master.device:
             self._generator = torch.Generator(master.device)
-            self._seeded_for = None
-        if self._seeded_for != step:  # one stream per step, drawn in the masters' order
-            self._generator.manual_seed(SEED + step)
-            self._seeded_for = step
+        # a stream per (step, fragment): the same bits wherever, and in whatever order, the fragment is stepped
+        self._generator.manual_seed(hash((SEED, step, self.keys.get(id(master), 0))) & 0x7FFFFFFFFFFFFFFF)
         master.copy_(stochastic_round(value, self._generator))
 
 

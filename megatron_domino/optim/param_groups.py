@@ -63,15 +63,15 @@ def _adamw(groups: list[dict], opt: OptimizerConfig) -> torch.optim.Optimizer:
 
 class InnerSteps:
     """The rules stepping a set of masters. ``masters``: (master, model parameter, Muon's scale of its matrix or
-    None)."""
+    None, its stochastic rounding's stream: ``low_precision.stream_key``)."""
 
-    def __init__(self, masters: list[tuple[torch.Tensor, torch.Tensor, float | None]], opt: OptimizerConfig):
+    def __init__(self, masters: list[tuple[torch.Tensor, torch.Tensor, float | None, int]], opt: OptimizerConfig):
         if opt.name not in STATE_KEYS:
             raise ConfigError("optimizer.name", opt.name, f"must be one of {sorted(STATE_KEYS)}",
                               "use adamw, muon or sgd")
         self.opt, self.optimizers, self.rule = opt, [], {}
-        muon = [(m, p, s) for m, p, s in masters if s is not None]
-        rest = [(m, p) for m, p, s in masters if s is None]
+        muon = [(m, p, s) for m, p, s, _ in masters if s is not None]
+        rest = [(m, p) for m, p, s, _ in masters if s is None]
         if opt.name == "muon":
             if muon:
                 group = [{"params": [m for m, _, _ in muon], "weight_decay": opt.weight_decay, "lr_scale": 1.0}]
@@ -86,6 +86,8 @@ class InnerSteps:
             inner = (torch.optim.SGD(groups, lr=opt.lr, momentum=opt.momentum, **kernel) if opt.name == "sgd"
                      else _adamw(groups, opt))
             self._add(inner, "sgd" if opt.name == "sgd" else "adamw", rest)
+        for inner in self.optimizers:
+            inner.keys = {id(m): key for m, _, _, key in masters}
 
     def _add(self, inner, rule: str, masters: list) -> None:
         self.optimizers.append(inner)
