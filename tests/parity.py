@@ -6,6 +6,7 @@ from megatron_domino.fp8.state import end_step as fp8_end_step
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.models.full_state import gather_full
 from megatron_domino.models.language_model import WORD_EMBEDDINGS
+from megatron_domino.models.logit_max import trackers as logit_trackers
 from megatron_domino.optim.distributed_optimizer import DistributedOptimizer
 from megatron_domino.parallel import ParallelState, Topology
 from megatron_domino.models.stage_chunks import build_chunks
@@ -75,6 +76,8 @@ def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, ch
     ps = ParallelState(Topology.from_config(cfg.parallel, world_size), strict=True)
     chunks = build_chunks(cfg, ps, chunk_places(cfg, ps.pp_rank), init_seed=3)
     optimizer = DistributedOptimizer.for_layout(chunks, optimizer_config, ps, bucket_alone=(WORD_EMBEDDINGS,))
+    if optimizer_config.muon_qk_clip is not None:
+        optimizer.clip_logits(logit_trackers(chunks))
     if counters is not None:
         counters.append(optimizer)
     engine, losses = None, []
@@ -106,6 +109,8 @@ def reference_steps(model_config, batches, lr, micro_batch=None, optimizer=None,
     dense = LanguageModel(model_config)
     initialize_weights(dense, seed=3)
     dopt = DistributedOptimizer([dense], optimizer, dp_group=None, tp_rank=0, norm_groups=[]) if optimizer else None
+    if optimizer is not None and optimizer.muon_qk_clip is not None:
+        dopt.clip_logits(logit_trackers([dense]))
     if counters is not None:
         counters.append(dopt)
     losses = []

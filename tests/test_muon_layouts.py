@@ -27,8 +27,9 @@ OPT = muon_config(lr=LR, adamw_lr=LR / 5, muon_ns_dtype="fp32")
 MIXTRAL = replace(LLAMA_MOE, moe_router="softmax", moe_shared_experts=0, moe_capacity_factor=None)
 
 
-def _layout(model, zero=1, cp_documents=None, **parallel):
-    cfg = layout_config(model, MICRO_BATCH, GLOBAL_BATCH, replace(OPT, zero_stage=zero), **parallel)
+def _layout(model, zero=1, cp_documents=None, qk_clip=None, **parallel):
+    cfg = layout_config(model, MICRO_BATCH, GLOBAL_BATCH, replace(OPT, zero_stage=zero, muon_qk_clip=qk_clip),
+                        **parallel)
     return cfg, cp_documents
 
 
@@ -75,6 +76,8 @@ def _check(rank, world_size, layouts):
         compared.append((assert_same_run(where, losses, weights, ref_losses, ref_weights), list(ref_weights),
                          runs[0].muon.orthogonalized, reference[0].muon.orthogonalized))
         log.check_pairing(rank)
+        if cfg.optimizer.muon_qk_clip is not None:  # the clip acted: some heads passed the threshold
+            assert (reference[0].qk_clip.maxima > cfg.optimizer.muon_qk_clip).any()
     return compared
 
 
@@ -92,8 +95,10 @@ def test_tp2_pp2_dp2_domino_under_every_zero_stage_and_zb_h1():
                + [_layout(LLAMA, tp=2, pp=2, dp=2, domino=True, pipeline_schedule="zb-h1")])
 
 
-def test_mixtral_at_ep2_and_context_parallel():
+def test_mixtral_at_ep2_and_context_parallel_with_qk_clip():
     """8 ranks: a Mixtral at tp2·pp2·dp2·ep2 with Domino (experts owned in their expert-data-parallel group), and
-    cp 2 with packed documents at tp2·cp2·pp2."""
+    cp 2 with packed documents at tp2·cp2·pp2, with and without MuonClip (its threshold below about a third of
+    the heads' largest logits, which are folded over the ring's blocks and reduced over CP)."""
     _check_all(8, [_layout(MIXTRAL, tp=2, pp=2, dp=2, ep=2, domino=True),
-                   _layout(LLAMA, tp=2, pp=2, cp=2, cp_documents=True, strict_transport=True)])
+                   _layout(LLAMA, tp=2, pp=2, cp=2, cp_documents=True, strict_transport=True),
+                   _layout(LLAMA, tp=2, pp=2, cp=2, cp_documents=True, strict_transport=True, qk_clip=0.05)])

@@ -37,10 +37,15 @@ def check_muon(c: Checks, cfg) -> None:
             ("model.qk_norm", "QK-norm, which already bounds the logits") if m.qk_norm else (
                 ("model.qkv_bias", "QKV biases, which a rescale of the weights does not reach")
                 if m.has_qkv_bias else None))
+        if blocker is None and cfg.parallel.cp > 1 and cfg.parallel.cp_comm != "ring":
+            blocker = ("parallel.cp_comm", f"the {cfg.parallel.cp_comm!r} context parallelism, whose heads' logits "
+                       "are not tracked yet (the ring's are)")
+        if blocker is None and o.offload is not None:
+            blocker = ("optimizer.offload", "masters in host memory, where the rescale does not reach")
         if blocker is not None:
-            c.fail("optimizer.muon_qk_clip", o.muon_qk_clip, f"rescales each head's query and key weights, which "
-                   f"bounds its logits only for a plain bias-free QKV projection; this model has {blocker[1]} "
-                   f"({blocker[0]})", "leave optimizer.muon_qk_clip unset")
+            c.fail("optimizer.muon_qk_clip", o.muon_qk_clip, f"rescales each head's query and key weights on the "
+                   f"device, which bounds its logits for a plain bias-free QKV projection; this run has {blocker[1]} "
+                   f"({blocker[0]})", f"leave optimizer.muon_qk_clip unset, or change {blocker[0]}")
 
 
 def check_state_precision(c: Checks, cfg) -> None:

@@ -42,6 +42,7 @@ from .low_precision import DTYPES, stream_key
 from .muon import MOMENTUM, MuonStep
 from .muon_plan import describe
 from .param_groups import InnerSteps
+from .qk_clip import QKClip
 from .weight_hooks import shard_model_weights, sharded_weight, unit_keys
 
 
@@ -118,6 +119,7 @@ class DistributedOptimizer:
                 param.register_post_accumulate_grad_hook(self._on_grad)
         self._last_microbatch = True
         self.steps = 0
+        self.qk_clip: QKClip | None = None
 
     def _build_buffers(self, model_chunks, units: dict[int, str]) -> list[GradBuffer]:
         """One buffer per (chunk, weight dtype, expert or not, weights sharded or not), parameters in reverse
@@ -160,7 +162,16 @@ class DistributedOptimizer:
         """Bucket reductions launched since construction (tests count them)."""
         return sum(buffer.launches for buffer in self.buffers)
 
+    def clip_logits(self, trackers: list) -> None:
+        """MuonClip (``optim/qk_clip.py``) over the attention layers' logit ``trackers`` (``models.logit_max``)."""
+        if self.host.masters:
+            raise ConfigError("optimizer.muon_qk_clip", self.opt.muon_qk_clip, "rescales masters on the device, and "
+                              "optimizer.offload keeps them on the host", "set optimizer.offload=null")
+        self.qk_clip = QKClip(trackers, self.fragments, self.opt.muon_qk_clip, self.dp_group)
+
     def zero_grad(self) -> None:
+        if self.qk_clip is not None:  # a step begins: its logits alone count
+            self.qk_clip.reset()
         for buffer in self.buffers:
             buffer.zero()
             for param in buffer.params:
@@ -251,6 +262,8 @@ class DistributedOptimizer:
                      if i not in self.host.masters]
         self.optimizer.step(lr, {id(m): updates[i] if i in updates else f.grad if f.grad.dtype == torch.float32
                                  else f.grad.float() for i, m, f in on_device}, self.steps + 1)
+        if self.qk_clip is not None:
+            self.qk_clip.apply(self.masters, self.fragments)
         copies = [(f.data, m) for _, m, f in on_device if m is not f.data]
         if copies:
             torch._foreach_copy_([data for data, _ in copies], [master for _, master in copies])
