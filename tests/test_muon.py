@@ -1,15 +1,21 @@
 """Muon on one process: torch.optim.Muon's arithmetic on the logical matrices, AdamW's on the rest; the owners'
 plan; the config's refusals."""
+import os
+from dataclasses import replace
+
 import pytest
 import torch
 
 from megatron_domino.config import Config
 from megatron_domino.config.errors import ConfigError
+from megatron_domino.config.loader import load_config
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.optim.distributed_optimizer import DistributedOptimizer
 from megatron_domino.optim.muon_plan import assign_owners
+from megatron_domino.planner.muon import muon_balance
 from megatron_domino.validation import validate_config
 from tests.muon_setup import GPT, LLAMA, TorchMuonReference, muon_config
+from tests.training_runs import REPO
 from tests.zero_setup import assert_rel
 
 SEED, STEPS = 5, 4
@@ -62,6 +68,16 @@ def test_owners_balance_by_flops():
     assert max(loads.values()) - min(loads.values()) <= max(costs)
 
 
+@pytest.mark.parametrize("tp", [1, 8])
+def test_llama3_8b_newton_schulz_is_balanced_at_dp8(tp):
+    """The planner's owners (the optimizer's, longest first over TP x DP slots): the busiest rank within 1.3x of
+    the mean at dp 8, with the shipped tp 8 and at tp 1."""
+    cfg = load_config(os.path.join(REPO, "configs/llama/llama3-8b.yaml"), ["optimizer.name=muon", f"parallel.tp={tp}"])
+    balance = muon_balance(cfg, 8)
+    assert len(balance.flops) == 8 * tp and balance.ratio <= 1.3, balance.ratio
+    print(f"tp {tp} dp 8: {balance.total / 1e12:.0f} TFLOP per step, busiest rank {balance.ratio:.3f}x the mean")
+
+
 def _problems(**optimizer):
     cfg = Config(model=GPT)
     for key, value in optimizer.items():
@@ -85,8 +101,8 @@ def test_bad_muon_and_state_settings_are_refused_before_any_group():
 
 def test_muon_without_matrices_is_refused():
     """A model with no 2-D hidden weight (no blocks) has nothing for Muon: refused, not silently all AdamW."""
-    cfg = Config(model=GPT)
-    cfg.optimizer.name, cfg.model.num_layers = "muon", 0
+    cfg = Config(model=replace(GPT, num_layers=0))
+    cfg.optimizer.name = "muon"
     with pytest.raises(ConfigError) as caught:
         validate_config(cfg, world_size=1, check_paths=False)
     assert any(str(p).startswith("optimizer.name = 'muon': orthogonalizes the 2-D hidden weights")

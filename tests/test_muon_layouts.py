@@ -1,14 +1,16 @@
 """Distributed Muon trains like one process: 6 steps (fp32 Newton-Schulz and state) at tp2·pp2·dp2 with Domino
 under ZeRO-1, -2 and -3, under ZB-H1, with a Mixtral at ep 2, and at cp 2; losses and every weight within 1e-5 of
 Muon on one process (which equals torch.optim.Muon: tests/test_muon.py). Across the job every logical matrix is
-orthogonalized exactly once per step (the ranks' counters add up to steps x matrices), and the exchanges keep
-NCCL's pairing (what a rank sends a peer is what the peer receives, in the same order)."""
+orthogonalized exactly once per step (the ranks' counters add up to steps x matrices), each rank's Newton-Schulz
+FLOPs are the planner's (planner/muon.py), and the exchanges keep NCCL's pairing (what a rank sends a peer is what
+the peer receives, in the same order)."""
 from dataclasses import replace
 
 import pytest
 
 from megatron_domino.data.loader import collate
 from megatron_domino.models.ring_attention import split_for_context_parallel
+from megatron_domino.planner.muon import muon_balance
 from tests.harness import run_ranks
 from tests.muon_setup import muon_config
 from tests.parity import assert_covered, assert_same_run, layout_config, reference_steps, train_steps
@@ -74,7 +76,7 @@ def _check(rank, world_size, layouts):
         par = cfg.parallel
         where = (par.tp, par.pp, par.dp, par.cp, par.ep, par.pipeline_schedule, cfg.optimizer.zero_stage)
         compared.append((assert_same_run(where, losses, weights, ref_losses, ref_weights), list(ref_weights),
-                         runs[0].muon.orthogonalized, reference[0].muon.orthogonalized))
+                         runs[0].muon.orthogonalized, reference[0].muon.orthogonalized, runs[0].muon.flops))
         log.check_pairing(rank)
         if cfg.optimizer.muon_qk_clip is not None:  # the clip acted: some heads passed the threshold
             assert (reference[0].qk_clip.maxima > cfg.optimizer.muon_qk_clip).any()
@@ -87,6 +89,9 @@ def _check_all(world_size, layouts):
         assert_covered(cfg.parallel, [rank[index][0] for rank in per_rank], per_rank[0][index][1])
         total, one_process = sum(rank[index][2] for rank in per_rank), per_rank[0][index][3]
         assert total == one_process == 6 * _matrices(cfg.model), (cfg.parallel, total, one_process)
+        par = cfg.parallel
+        planned = muon_balance(cfg, world_size // (par.tp * par.cp * par.pp)).flops  # the planner's owners' FLOPs
+        assert sorted(rank[index][4] for rank in per_rank) == sorted(6 * f for f in planned), par
 
 
 def test_tp2_pp2_dp2_domino_under_every_zero_stage_and_zb_h1():

@@ -26,10 +26,10 @@ def fold(running: torch.Tensor, q: torch.Tensor, k: torch.Tensor, causal: bool, 
     if causal:
         rows = torch.arange(q.shape[2], device=q.device).unsqueeze(1)
         mask = torch.arange(k.shape[2], device=q.device).unsqueeze(0) > rows + (k.shape[2] - q.shape[2])
-    maxima = []
+    maxima, k = [], k.repeat_interleave(per_group, dim=1) if per_group > 1 else k  # a key per query head
     for first in range(0, q.shape[1], HEADS_AT_ONCE):
         chunk = q[:, first:first + HEADS_AT_ONCE].float()
-        keys = k[:, [(first + i) // per_group for i in range(chunk.shape[1])]].float()
+        keys = k[:, first:first + HEADS_AT_ONCE].float()
         logits = chunk @ keys.transpose(-1, -2) * q.shape[-1] ** -0.5
         if mask is not None:
             logits = logits.masked_fill(mask, float("-inf"))

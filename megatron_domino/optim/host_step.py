@@ -51,7 +51,7 @@ class HostStep:
     optimizer's buffers in bucket order; ``forward_rank``: id(parameter) -> its place in the forward order."""
 
     def __init__(self, placed: list[tuple], fragments: list, opt, forward_rank: dict[int, int],
-                 device: torch.device, scales: dict[int, float | None], keys: list[int]):
+                 device: torch.device, scales: dict[int, float | None], keys: list[tuple]):
         self.fragments, self.device, self.overlap = fragments, device, opt.overlap_offload_step
         chosen = _whole_buckets(placed, opt.offload_fraction if opt.offload else 0.0)
         self.order = sorted(chosen, key=lambda pair: min(forward_rank[id(p)] for p in pair[1].params))
@@ -130,7 +130,7 @@ class HostStep:
 
 
 def offload_step(model_chunks, buffers: list, fragments: list, opt, device: torch.device, units,
-                 scales: dict[int, float | None], keys: list[int]) -> HostStep:
+                 scales: dict[int, float | None], keys: list[tuple]) -> HostStep:
     """The host step of an optimizer's ``buffers`` (empty without ``optimizer.offload``), completed where the next
     forward needs a bucket: at its ZeRO-3 gather (``units``, or None), or at the first read of a weight of a
     replicated bucket. ``scales``: Muon's scale of each fragment's matrix (by index; absent or None: not Muon's);

@@ -6,9 +6,9 @@ of 4: they are read into fp32, updated there and rounded to nearest (Megatron's 
 ``optimizer.master_dtype: bf16`` makes the bf16 weights their own masters (no 4-byte fp32 copy). An update much
 smaller than a weight's last bf16 bit would then round away every step; ``master_rounding`` says how it survives:
 - ``stochastic``: rounded up or down at random, with the probability of the distance (16 random bits added to
-  the fp32 value's low half, which is then cut), so the expected weight is the exact one; no extra state. Each
-  fragment draws from a stream of its own, seeded by the step, its parameter and its offset, so that copies of it
-  (TP ranks, the tied embedding's stages), a resumed run and the host's step under offload draw the same bits;
+  the fp32 value's low half, which is then cut), so the expected weight is the exact one; no extra state. The
+  bits are a hash of (step, parameter, element), so that copies of an element (TP ranks, the tied embedding's
+  stages, ZeRO-0 replicas), a resumed run, another ZeRO layout and the host's step under offload draw the same;
 - ``compensated``: a bf16 compensation per weight keeps what rounding lost (Kahan's sum), added back before the
   next update: weight + compensation carries about 16 significant bits, for 2 more bytes per weight.
 
@@ -24,20 +24,39 @@ import zlib
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-SEED = 0x5EED  # the stochastic rounding's streams: seeded by (SEED, step, fragment)
 
 
-def stream_key(name: str, start: int) -> int:
+def stream_key(name: str, start: int) -> tuple[int, int]:
     """The random stream of the fragment of parameter ``name`` (its stored name: a tied copy takes its original's)
     that begins at element ``start``: the same on every rank holding that fragment (TP copies, ZeRO-0 replicas,
     the tied embedding's two stages), so that copies round alike and stay equal."""
-    return zlib.crc32(f"{name}:{start}".encode())
+    return zlib.crc32(name.encode()), start
 
 
-def stochastic_round(value: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """fp32 ``value`` to bf16, up or down at random with the probability of the distance to each."""
-    noise = torch.randint(0, 1 << 16, value.shape, dtype=torch.int32, device=value.device, generator=generator)
-    return ((value.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+_MASK = 0xFFFFFFFF
+CHUNK = 1 << 22  # elements hashed at once (an int64 index each)
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of int64 values below 2^32 (Chris Wellons' lowbias32 family), without overflow."""
+    for _ in range(2):
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK
+    return (x >> 16) ^ x
+
+
+def stochastic_round(value: torch.Tensor, key: tuple[int, int], step: int) -> torch.Tensor:
+    """fp32 ``value`` to bf16, up or down at random with the probability of the distance to each. The 16 random
+    bits of element i are a hash of (the parameter, its element ``key[1] + i``, ``step``): counter-based, so no
+    generator state exists to save, and every copy of an element draws the same bits on any device or layout."""
+    seed = zlib.crc32(f"{key[0]}:{step}".encode())
+    out = torch.empty(value.shape, dtype=torch.bfloat16, device=value.device)
+    flat, target = value.reshape(-1), out.view(-1)
+    for lo in range(0, flat.numel(), CHUNK):
+        hi = min(lo + CHUNK, flat.numel())
+        index = torch.arange(key[1] + lo, key[1] + hi, dtype=torch.int64, device=value.device)
+        noise = (_hash32((index ^ seed) & _MASK) & 0xFFFF).to(torch.int32)
+        target[lo:hi] = ((flat[lo:hi].view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+    return out
 
 
 class _Masters(torch.optim.Optimizer):
@@ -47,8 +66,7 @@ class _Masters(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.rounding = rounding
         self.inputs: dict[int, torch.Tensor] = {}  # id(master) -> its gradient or update, set before each step
-        self.keys: dict[int, int] = {}  # id(master) -> its random stream (``stream_key``)
-        self._generator: torch.Generator | None = None
+        self.keys: dict[int, tuple] = {}  # id(master) -> its random stream (``stream_key``)
 
     def _compensated(self, master: torch.Tensor) -> bool:
         return master.dtype == torch.bfloat16 and self.rounding == "compensated"
@@ -70,11 +88,7 @@ class _Masters(torch.optim.Optimizer):
             master.copy_(value)
             state["master_compensation"].copy_(value - master.float())
             return
-        if self._generator is None or self._generator.device != master.device:
-            self._generator = torch.Generator(master.device)
-        # a stream per (step, fragment): the same bits wherever, and in whatever order, the fragment is stepped
-        self._generator.manual_seed(hash((SEED, step, self.keys.get(id(master), 0))) & 0x7FFFFFFFFFFFFFFF)
-        master.copy_(stochastic_round(value, self._generator))
+        master.copy_(stochastic_round(value, self.keys.get(id(master), (0, 0)), step))
 
 
 class LowPrecisionAdamW(_Masters):

@@ -74,7 +74,8 @@ def describe(param, info: ParamInfo, buffer, tp: int, opt) -> MuonWeight:
     """A Muon weight's plan entry (owner and fragment still unset)."""
     full = info.full_shape(param.shape)
     kind = "own" if not info.tp_replicated else "split" if info.spec is not None and tp > 1 else "replicated"
-    layout = matrix_rows(info, full, opt.muon_split_qkv)
+    dim, pieces = matrix_rows(info, full, opt.muon_split_qkv)
+    layout = (dim, [p.to(param.device) if torch.is_tensor(p) else p for p in pieces])  # made once, not per step
     dims = shapes(full, layout)
     scales = [scale(rows, cols, opt.muon_scale) for rows, cols in dims]
     return MuonWeight(param, info, kind, full, layout, _ranges(buffer, param), buffer.shards > 1,
