@@ -78,7 +78,7 @@ def _state_bytes_per_weight(dopt, fragments=None) -> float:
 def check_bytes_per_weight(group, dp_rank, dp, data) -> dict:
     """bf16 weights, fp32 gradients, ZeRO-1 at dp d, from storage: the weight (2) and gradient (4) bytes, plus
     masters and state per weight of this rank's shard, divided by d: Adam 12, bf16 moments 8, bf16 masters too 4
-    (compensated 6), Muon's matrices 8 (one fp32 momentum, Adam's minus one moment)."""
+    (compensated 6), Muon's matrices 8 (one fp32 momentum, Adam's minus one moment), 6 and 2 in bf16."""
     measured = {}
     for what, opt, expected in [
             ("adamw fp32", muon_config(name="adamw"), 12), ("adamw bf16 moments", muon_config(
@@ -86,7 +86,8 @@ def check_bytes_per_weight(group, dp_rank, dp, data) -> dict:
             ("adamw bf16 masters + moments", muon_config(name="adamw", master_dtype="bf16", moments_dtype="bf16"), 4),
             ("adamw bf16 compensated", muon_config(name="adamw", master_dtype="bf16", moments_dtype="bf16",
                                                     master_rounding="compensated"), 6),
-            ("muon matrices", muon_config(), 8), ("muon matrices bf16 momentum", muon_config(moments_dtype="bf16"), 6)]:
+            ("muon matrices", muon_config(), 8), ("muon matrices bf16 momentum", muon_config(moments_dtype="bf16"), 6),
+            ("muon matrices bf16 masters + momentum", muon_config(master_dtype="bf16", moments_dtype="bf16"), 2)]:
         opt.bucket_size_mb = 25.0  # one bucket: padding to the shard alignment is then a fraction of a percent
         model, dopt = _train(opt, group, dp_rank, dp, data[:2], torch.bfloat16, True)
         muon = [i for i in range(len(dopt.fragments)) if dopt.muon is not None and dopt.muon.scale_of(i)]

@@ -78,3 +78,17 @@ def muon_balance(cfg: Config, dp: int) -> MuonBalance:
                     loads[(tp_rank, e * par.ep + share)] += _cost(model, opt, weight)
         flops += [loads[slot] for slot in slots]
     return MuonBalance(flops, sum(flops))
+
+
+def tp_exchange_bytes(rows: int, cols: int, split: int, tp: int, steps: int, element: int = 2) -> tuple[float, float]:
+    """Bytes one TP rank sends per step for a matrix cut in ``tp`` along dimension ``split`` (0: rows), two ways:
+    (``gather``: its piece to the owner and the update back, what the optimizer does; ``gram``: Newton-Schulz on the
+    pieces, an all-reduce of the Gram matrix per iteration, Megatron's ``newton_schulz_tp``). The Gram is of the
+    uncut side, so the pieces' products add up only when the cut side is the longer one; a ring all-reduce of
+    n elements sends 2 n (tp - 1) / tp."""
+    share = (tp - 1) / tp
+    gather = 2 * rows * cols * share * element  # the piece out, the update in: counted at the owner, the busiest
+    uncut = cols if split == 0 else rows
+    gram = steps * 2 * uncut ** 2 * share * element if (rows, cols)[split] >= uncut else float("inf")
+    return gather, gram
+
