@@ -5,8 +5,8 @@
 - bf16 masters (stochastic rounding) and bf16 moments end within 1% of fp32 state's last-50 mean, with bf16
   weights in both, for AdamW and for Muon.
 Measured (benchmarks/reports/2026-12-07-cpu-muon-low-precision.md): AdamW 4.913, Muon 4.214; bf16 weights AdamW
-4.839 with fp32 state, 4.862 with bf16 state (+0.5%); Muon 4.215 and 4.216. One seed of a tiny model: the data support "Muon
-trains this model faster at equal steps", not a general ranking, and "bf16 state costs under 1% here".
+4.839 with fp32 state, 4.862 with bf16 state (+0.5%); Muon 4.215 and 4.216. One seed of a tiny model: the data
+support "Muon trains this model faster at equal steps", not a general ranking, and "bf16 state costs under 1% here".
 The sweep tier: about 7 minutes on two shared cores (pytest -m sweep)."""
 import json
 import os
