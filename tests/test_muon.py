@@ -13,6 +13,7 @@ from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.optim.distributed_optimizer import DistributedOptimizer
 from megatron_domino.optim.muon_plan import assign_owners
 from megatron_domino.planner.muon import block_weights, muon_balance, tp_exchange_bytes
+from megatron_domino.planner.optimizer_state import state_bytes
 from megatron_domino.validation import validate_config
 from tests.muon_setup import GPT, LLAMA, TorchMuonReference, muon_config
 from tests.training_runs import REPO
@@ -102,6 +103,21 @@ def test_gathering_moves_fewer_bytes_than_tp_newton_schulz_for_every_shipped_mat
                 checked += 1
     assert checked > 50
     assert tp_exchange_bytes(8 * 4096, 4096, 0, 8, 5)[1] < tp_exchange_bytes(8 * 4096, 4096, 0, 8, 5)[0]
+
+
+@pytest.mark.parametrize("name, overrides, expected", [
+    ("adamw", {}, 12), ("adamw", {"moments_dtype": "bf16"}, 8),
+    ("adamw", {"master_dtype": "bf16", "moments_dtype": "bf16"}, 4),
+    ("adamw", {"master_dtype": "bf16", "moments_dtype": "bf16", "master_rounding": "compensated"}, 6),
+    ("muon", {}, 8), ("muon", {"moments_dtype": "bf16"}, 6), ("muon", {"master_dtype": "bf16", "moments_dtype": "bf16"},
+                                                           2)])
+def test_the_planner_counts_what_the_optimizer_holds(name, overrides, expected):
+    """State bytes per weight of bf16 weights as planner/optimizer_state.py counts them: what
+    tests/test_optimizer_states.py measures from the tensors (Muon's matrices; offloaded, the same on the host)."""
+    opt = muon_config(name=name, **overrides)
+    per = state_bytes(opt, 2, 1.0)
+    assert per.device == expected
+    assert per.offloaded_host + per.offloaded_device == expected + (2 if opt.master_dtype == "bf16" else 0)
 
 
 def _problems(**optimizer):

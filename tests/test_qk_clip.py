@@ -4,7 +4,7 @@ logits scale by exactly its own eta."""
 import torch
 
 from megatron_domino.models import LanguageModel, initialize_weights
-from megatron_domino.models.logit_max import trackers
+from megatron_domino.models.logit_max import fold, fold_documents, trackers
 from megatron_domino.optim.distributed_optimizer import DistributedOptimizer
 from megatron_domino.optim.qk_clip import row_scales
 from tests.muon_setup import GPT, muon_config
@@ -82,3 +82,28 @@ def test_grouped_heads_scale_their_logits_by_their_own_eta():
     assert torch.allclose(scales[:, :3, 0] * scales[:, 3:4, 0], eta)
     assert torch.allclose(scales[:, 3, 0], eta.min(dim=1).values.sqrt())
     assert torch.equal(scales[:, 4], torch.ones(2, 2)) and torch.equal(scales[1], torch.ones(5, 2))
+
+
+def test_logit_maxima_cover_the_causal_pairs_and_only_those():
+    """Keys equal to the queries: a head's largest logit is its longest query's own, on the diagonal (Cauchy-Schwarz),
+    which a mask must keep; the first key is longer than any, which every query but the first may see (a non-causal
+    fold would let query 0 see it too). Grouped heads read their group's keys; packed documents stay apart."""
+    torch.manual_seed(3)
+    q = torch.randn(2, 4, 6, 8)
+    q[:, :, 0] *= 5  # query (and key) 0 of each head the longest
+    running = torch.full((4,), float("-inf"))
+    fold(running, q, q, causal=True)
+    assert torch.allclose(running, q.pow(2).sum(-1).amax(dim=(0, 2)) / 8 ** 0.5)
+    k = q[:, ::2].clone()  # two groups of two query heads
+    k[:, :, 0] *= -1  # the long first key now repels its own query; later queries see it
+    grouped = torch.full((4,), float("-inf"))
+    fold(grouped, q, k, causal=True)
+    expected = torch.stack([(q[:, h, i] @ k[:, h // 2, j].T).diagonal().max() / 8 ** 0.5
+                            for h in range(4) for i in range(6) for j in range(i + 1)]).view(4, -1).amax(dim=1)
+    assert torch.allclose(grouped, expected)
+    documents = torch.full((4,), float("-inf"))
+    fold_documents(documents, q[:1], q[:1], torch.tensor([[0, 1, 6]]))  # query 0 alone, then 1-5 apart from it
+    alone = torch.full((4,), float("-inf"))
+    fold(alone, q[:1, :, 1:], q[:1, :, 1:], causal=True)
+    assert torch.allclose(documents, torch.maximum(alone, q[0, :, 0].pow(2).sum(-1) / 8 ** 0.5))
+
