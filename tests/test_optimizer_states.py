@@ -100,11 +100,27 @@ def check_bytes_per_weight(group, dp_rank, dp, data) -> dict:
     return measured
 
 
+def check_transfers_fly_during_newton_schulz(group, dp_rank, dp, data):
+    """ZeRO-1 at dp 2: 2 x ROUNDS all-to-alls per step, and round r + 1's gather is launched before round r's first
+    Newton-Schulz (it is waited for only in the next round), round r's scatter before round r + 1's."""
+    from megatron_domino.optim import muon
+    events, launch, orthogonalize = [], torch.distributed.all_to_all_single, muon.newton_schulz
+    torch.distributed.all_to_all_single = lambda *a, **k: events.append("a2a") or launch(*a, **k)
+    muon.newton_schulz = lambda *a: events.append("ns") or orthogonalize(*a)
+    try:
+        _train(muon_config(zero_stage=1), group, dp_rank, dp, data[:1])
+    finally:
+        torch.distributed.all_to_all_single, muon.newton_schulz = launch, orthogonalize
+    assert events.count("a2a") == 2 * muon.ROUNDS and events.count("ns") > muon.ROUNDS
+    assert events.index("ns") > events.index("a2a", events.index("a2a") + 1)  # gathers 0 and 1 before any product
+
+
 def _checks(rank, world_size):
     group = torch.distributed.new_group(list(range(world_size)))
     data = batches(4, seed=3)
     check_zero0_equals_one_process(group, rank, world_size, data)
     check_offload_is_bitwise(group, rank, world_size, data)
+    check_transfers_fly_during_newton_schulz(group, rank, world_size, data)
     return check_bytes_per_weight(group, rank, world_size, data)
 
 

@@ -39,6 +39,7 @@ class MuonWeight:
     base_scale: float  # the update's scale of its first matrix: fragments apply it
     relative: list[float]  # each matrix's scale over ``base_scale``: the owner applies it
     owner: tuple[int, int] = (0, 0)  # (TP rank, DP rank)
+    round: int = 0  # which of the step's rounds carries it (``muon.ROUNDS``)
     fragment: int | None = None  # index of this rank's fragment of it among the optimizer's fragments
 
     @property
