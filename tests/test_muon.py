@@ -60,6 +60,30 @@ def test_one_process_equals_torch_muon_and_adamw(cfg, overrides):
     assert dopt.muon.orthogonalized == STEPS * per_layer * cfg.num_layers  # every matrix once per step
 
 
+def test_a_refused_step_leaves_weights_and_momentum_alone():
+    """The bad-step guard answers before Muon's momentum moves: a refused step changes nothing; the next one does."""
+    model = LanguageModel(LLAMA)
+    initialize_weights(model, SEED)
+    dopt = DistributedOptimizer([model], muon_config(), dp_group=None, tp_rank=0, norm_groups=[])
+    steps = iter(_data(LLAMA, 3))
+
+    def backward():
+        dopt.zero_grad()
+        dopt.begin_backward(True)
+        _loss(model, *next(steps)).backward()
+        dopt.finish_grad_sync()
+    backward()
+    assert dopt.step(0.02)[0]
+    weights = {n: p.detach().clone() for n, p in model.named_global_parameters()}
+    momenta = {i: m.clone() for i, m in dopt.muon.momentum.items()}
+    backward()
+    assert not dopt.step(0.02, accept=lambda norm, local: False)[0]
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_global_parameters())
+    assert all(torch.equal(m, momenta[i]) for i, m in dopt.muon.momentum.items())
+    backward()
+    assert dopt.step(0.02)[0] and not all(torch.equal(m, momenta[i]) for i, m in dopt.muon.momentum.items())
+
+
 def test_owners_balance_by_flops():
     """Longest first to the least loaded: ties go to the earliest slot, every slot within one item of the mean."""
     costs = [5, 3, 3, 2, 2, 1, 1, 1]
