@@ -127,7 +127,7 @@ def worker(args) -> None:
         for _ in range(args.steps):
             trainer.train_step()
     report = optimizer.memory_report()
-    weights_are_masters = trainer.dtype == torch.float32
+    weights_are_masters = all(m is f.data for m, f in zip(optimizer.masters, optimizer.fragments))  # fp32 or bf16
     mine = {"rank": dist.get_rank(), "params_bytes": report["weight_bytes"], "weights": report["params"],
             "gathered_bytes": report["gathered_peak_bytes"],
             "grads_bytes": report["grad_bytes"], "grads_peak_bytes": report["grad_peak_bytes"],

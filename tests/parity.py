@@ -6,6 +6,7 @@ from megatron_domino.fp8.state import end_step as fp8_end_step
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.models.full_state import gather_full
 from megatron_domino.models.language_model import WORD_EMBEDDINGS
+from megatron_domino.models.logit_max import trackers as logit_trackers
 from megatron_domino.optim.distributed_optimizer import DistributedOptimizer
 from megatron_domino.parallel import ParallelState, Topology
 from megatron_domino.models.stage_chunks import build_chunks
@@ -66,14 +67,19 @@ def assert_covered(where, compared_per_rank: list[dict], ref_names) -> None:
                                     "unknown:", sorted(seen - set(ref_names))[:5])
 
 
-def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, check_engine=None, norms=None):
+def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, check_engine=None, norms=None,
+                counters=None):
     """SGD steps of ``cfg``'s layout through the pipeline engine, ZeRO buffers and finalize_grads, as the trainer
     runs them: ``steps_of_microbatches(state)`` yields this rank's micro-batches per step. Returns the losses and
-    the full weights (and appends each step's gradient norm to ``norms``); the layout's groups are destroyed
-    afterwards."""
+    the full weights (and appends each step's gradient norm to ``norms``, the optimizer to ``counters``); the
+    layout's groups are destroyed afterwards."""
     ps = ParallelState(Topology.from_config(cfg.parallel, world_size), strict=True)
     chunks = build_chunks(cfg, ps, chunk_places(cfg, ps.pp_rank), init_seed=3)
     optimizer = DistributedOptimizer.for_layout(chunks, optimizer_config, ps, bucket_alone=(WORD_EMBEDDINGS,))
+    if optimizer_config.muon_qk_clip is not None:
+        optimizer.clip_logits(logit_trackers(chunks))
+    if counters is not None:
+        counters.append(optimizer)
     engine, losses = None, []
     for micro in steps_of_microbatches(ps):
         if engine is None:
@@ -94,16 +100,24 @@ def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, ch
     return losses, weights
 
 
-def reference_steps(model_config, batches, lr, micro_batch=None):
+def reference_steps(model_config, batches, lr, micro_batch=None, optimizer=None, counters=None):
     """One process, the whole batch, plain SGD over ``batches`` (dicts with a loss_mask): the loss of every step
     and the final weights. ``micro_batch``: forward in micro-batches of that many samples, the MoE auxiliary
     losses of each over its tokens (or, in the global scope, with the step's earlier ones) and averaged over
-    them, as the engine weighs them."""
+    them, as the engine weighs them. ``optimizer`` (an OptimizerConfig): that optimizer on one process instead of
+    SGD (its ``DistributedOptimizer``, appended to ``counters`` when given)."""
     dense = LanguageModel(model_config)
     initialize_weights(dense, seed=3)
+    dopt = DistributedOptimizer([dense], optimizer, dp_group=None, tp_rank=0, norm_groups=[]) if optimizer else None
+    if optimizer is not None and optimizer.muon_qk_clip is not None:
+        dopt.clip_logits(logit_trackers([dense]))
+    if counters is not None:
+        counters.append(dopt)
     losses = []
     for batch in batches:
         dense.zero_grad(set_to_none=True)
+        if dopt is not None:
+            dopt.zero_grad()
         dense.reset_routing_stats()
         size = batch["tokens"].shape[0]
         total = 0.0
@@ -114,10 +128,15 @@ def reference_steps(model_config, batches, lr, micro_batch=None):
             if micro_batch:
                 part["aux_loss_weight"], part["microbatch_index"] = 1.0 / size, start // micro_batch
             loss = (dense(None, part) * part["loss_mask"]).sum() / batch["loss_mask"].sum()
+            if dopt is not None:
+                dopt.begin_backward(start + (micro_batch or size) >= size)
             loss.backward()
             total += loss.item()
+        if dopt is not None:
+            dopt.finish_grad_sync()
+            assert dopt.step(lr)[0]
         with torch.no_grad():
-            for p in dense.parameters():
+            for p in dense.parameters() if dopt is None else ():
                 if p.requires_grad:  # not an aux-loss-free expert bias
                     p -= lr * p.grad
         fp8_end_step([dense])

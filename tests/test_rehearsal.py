@@ -87,6 +87,18 @@ def test_every_other_shipped_config_rehearses_within_the_planner_and_fits():
     _rehearse_within_the_planner({c: g for c, g in _shipped().items() if c not in REPRESENTATIVE})
 
 
+@pytest.mark.slow
+def test_muon_and_low_precision_state_rehearse_within_the_planner():
+    """Llama-3 8B at its 8 GPUs with Muon (fp32, then bf16 masters and moments) and AdamW with compensated bf16
+    masters: the planner's optimizer bytes (planner/optimizer_state.py) are what the trainer allocates."""
+    states = [["optimizer.name=muon"], ["optimizer.name=muon", "optimizer.master_dtype=bf16",
+                                        "optimizer.moments_dtype=bf16"],
+              ["optimizer.master_dtype=bf16", "optimizer.moments_dtype=bf16", "optimizer.master_rounding=compensated"]]
+    results = _side_by_side([("configs/llama/llama3-8b.yaml", 8, o) for o in states], "outer", lambda spec: 1)
+    failures = [f"{r['overrides']}: {problem}" for r in results for problem in r["problems"]]
+    assert len(results) == 3 and not failures, "\n".join(failures)
+
+
 LAYOUTS = [  # (tiny config, world size, overrides): the parity tests' layouts
     ("configs/tiny/gpt.yaml", 8, ["parallel.tp=2", "parallel.pp=2", "train.bf16=true"]),
     ("configs/tiny/gpt.yaml", 2, ["parallel.tp=2", "parallel.domino_split=column", "parallel.domino_overlap=intra"]),
@@ -115,6 +127,11 @@ LAYOUTS = [  # (tiny config, world size, overrides): the parity tests' layouts
     ("configs/tiny/gpt.yaml", 4, ["parallel.tp=2", "model.recompute=full", "optimizer.zero_stage=0"]),
     ("configs/tiny/gpt.yaml", 2, ["model.recompute=selective", "train.fp16=true"]),
     ("configs/tiny/gpt.yaml", 2, ["train.on_bad_step=skip"]),
+    # Muon's exchanges and Newton-Schulz, bf16 masters (stochastic rounding) and moments; MuonClip under ZeRO-3
+    ("configs/tiny/llama.yaml", 4, ["parallel.tp=2", "optimizer.name=muon", "optimizer.master_dtype=bf16",
+                                    "optimizer.moments_dtype=bf16", "train.bf16=true"]),
+    ("configs/tiny/gpt.yaml", 4, ["parallel.pp=2", "optimizer.name=muon", "optimizer.muon_qk_clip=100",
+                                  "optimizer.zero_stage=3"]),
 ]
 BY_DESIGN = {"train.fp16=true": "optim/loss_scaler.py", "train.on_bad_step=skip": "training/guard.py",
              "parallel.ep=2": "models/expert_dispatch.py"}

@@ -140,7 +140,7 @@ def check_fp16_overflow(group, dp_rank, dp, data, stage=1):
 def _optimizer_snapshot(dopt) -> dict:
     """A copy of this rank's masters and optimizer states, by fragment and key."""
     return {(i, key): value.detach().clone() for i, master in enumerate(dopt.masters)
-            for key, value in {"master": master, **dopt.optimizer.state.get(master, {})}.items()}
+            for key, value in {"master": master, **dopt.optimizer.states().get(master, {})}.items()}
 
 
 def check_bf16_and_memory(group, dp_rank, dp, data) -> dict:

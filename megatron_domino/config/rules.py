@@ -13,6 +13,7 @@ from .validate_attention import check_attention
 from .validate_compile import check_compile
 from .validate_fp8 import check_fp8
 from .validate_mtp import check_mtp
+from .validate_optimizer import check_muon, check_state_precision
 from .validate_context_parallel import check_context_parallel
 from .schema import (
     ACTIVATIONS,
@@ -184,6 +185,8 @@ def check_optimizer(c: Checks, cfg: Config) -> None:
     c.positive("optimizer.bucket_size_mb", o.bucket_size_mb)
     _check_offload(c, o)
     _check_zero3(c, o)
+    check_muon(c, cfg)
+    check_state_precision(c, cfg)
     c.at_least("optimizer.warmup_steps", o.warmup_steps, 0)
     if o.decay_steps is not None:
         c.at_least("optimizer.decay_steps", o.decay_steps, 0)

@@ -111,7 +111,11 @@ class TrainConfig:
 BAD_STEP_ACTIONS = ("skip", "stop", "rerun")
 RERUN_VERDICT_ACTIONS = ("skip", "stop")
 WANDB_MODES = ("online", "offline")
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "muon")
+MUON_SCALES = ("spectral", "moonlight")  # sqrt(max(1, rows/cols)), Keller Jordan; 0.2*sqrt(max(rows, cols)), Moonlight
+MUON_NS_DTYPES = ("bf16", "fp32")
+STATE_DTYPES = ("fp32", "bf16")
+MASTER_ROUNDINGS = ("stochastic", "compensated")
 FREE_SPACE = ("warn", "fail")
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -124,13 +128,26 @@ class OptimizerConfig:
     """Optimizer, ZeRO stage, clipping, loss scaling and the LR schedule."""
 
     name: str = "adamw"  # OPTIMIZERS: the update rule
-    lr: float = 1e-3  # peak learning rate
+    lr: float = 1e-3  # peak learning rate (muon: of its matrices)
     min_lr: float = 0.0  # learning rate at the end of the decay
-    weight_decay: float = 0.01  # decoupled weight decay (biases and norms excluded)
-    beta1: float = 0.9  # adamw: first-moment decay
-    beta2: float = 0.95  # adamw: second-moment decay
-    eps: float = 1e-8  # adamw: added to the denominator
+    weight_decay: float = 0.01  # decoupled weight decay (biases and norms excluded; muon: of its matrices)
+    beta1: float = 0.9  # adamw (and muon's AdamW part): first-moment decay
+    beta2: float = 0.95  # adamw (and muon's AdamW part): second-moment decay
+    eps: float = 1e-8  # adamw (and muon's AdamW part): added to the denominator
     momentum: float = 0.9  # sgd only
+    adamw_lr: Optional[float] = None  # muon: peak lr of the AdamW part (embeddings, head, norms, biases); null: lr
+    adamw_weight_decay: Optional[float] = None  # muon: weight decay of its AdamW part; null: weight_decay
+    muon_momentum: float = 0.95  # muon: the matrices' momentum (an EMA of the gradient, as torch.optim.Muon)
+    muon_nesterov: bool = True  # muon: orthogonalize g.lerp(momentum, muon_momentum) instead of the momentum
+    muon_ns_steps: int = 5  # muon: Newton-Schulz iterations per matrix and step
+    muon_ns_coefficients: list = field(default_factory=lambda: [3.4445, -4.775, 2.0315])  # muon: quintic (a, b, c)
+    muon_ns_dtype: str = "bf16"  # MUON_NS_DTYPES: Newton-Schulz's matmuls (bf16 as the references; fp32: parity tests)
+    muon_scale: str = "spectral"  # MUON_SCALES: update scale per matrix, sqrt(max(1, r/c)) or 0.2*sqrt(max(r, c))
+    muon_split_qkv: bool = True  # muon: Q, K and V orthogonalized as three matrices; false: the fused QKV as one
+    muon_qk_clip: Optional[float] = None  # muon: MuonClip's threshold on a head's max attention logit (Kimi K2: 100)
+    master_dtype: str = "fp32"  # STATE_DTYPES: the masters; bf16 needs train.bf16 (the bf16 weights are the masters)
+    master_rounding: str = "stochastic"  # MASTER_ROUNDINGS: how bf16 masters take an update (compensated: +2 B/weight)
+    moments_dtype: str = "fp32"  # STATE_DTYPES: Adam's moments and Muon's momentum (bf16: rounded to nearest)
     clip_grad: float = 1.0  # global gradient-norm clip; 0: no clipping
     zero_stage: int = 1  # ZERO_STAGES: what DP ranks shard: nothing, optimizer state, + gradients, + weights
     reshard_after_forward: bool = True  # ZeRO-3: free a layer's gathered weights after its forward (FSDP2's name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..tensor_parallel import ColumnParallelLinear, LayerContext, ParamInfo, RowParallelLinear, declare
 from ..tensor_parallel.output_parts import column_linear_in_parts
 from .document_attention import document_attention
+from .logit_max import fold, fold_documents
 from .norms import Norm
 from .ring_attention import Ring, ring_attention
 from .ulysses import OutputInFlight, QueriesInFlight, Ulysses, ulysses_attention
@@ -80,6 +82,7 @@ class AttentionPhase(nn.Module):
         super().__init__()
         self.dropout_p, self.backend, self.ctx = cfg.attention_dropout, cfg.attention_backend, ctx
         self.run_core = run  # how the attention core runs (``recompute.apply_recompute`` may recompute it)
+        self.logit_max = None  # MuonClip: each local head's largest logit this step (``logit_max.trackers``)
         self.ring, self.ulysses = context_parallel_attention(ctx)
         self.proj = RowParallelLinear(out_width, cfg.hidden_size, ctx, bias=cfg.bias,
                                       init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers))
@@ -104,7 +107,7 @@ class AttentionPhase(nn.Module):
         dropout on probabilities uses the TP stream (heads differ per rank). ``in_flight``: Ulysses' output
         exchanges left in flight (``ulysses_attention``)."""
         if self.ring is not None:
-            spread = lambda q, k, v: ring_attention(q, k, v, self.ring, doc_offsets)  # noqa: E731
+            spread = lambda q, k, v: ring_attention(q, k, v, self.ring, doc_offsets, self.logit_max)  # noqa: E731
         else:
             spread = lambda q, k, v: self._whole(q, k, v, doc_offsets)  # noqa: E731
         if self.ulysses is not None:  # a slice of the heads, all the group's tokens (the offsets are the whole's)
@@ -115,6 +118,10 @@ class AttentionPhase(nn.Module):
         """Attention over whole sequences, as SDPA (or one call per packed document) computes it."""
         dropout = self.dropout_p if self.training else 0.0
         grouped = q.shape[1] != k.shape[1]
+        if self.logit_max is not None and doc_offsets is None:
+            fold(self.logit_max, q, k, True)
+        elif self.logit_max is not None:
+            fold_documents(self.logit_max, q, k, doc_offsets)
         with self.ctx.tp_stream() if dropout > 0 else contextlib.nullcontext(), sdpa_backend(self.backend):
             if doc_offsets is None:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=grouped)
@@ -141,6 +148,8 @@ class Attention(AttentionPhase):
         self.queries_per_group, self.local_groups, self.head_dim = heads // groups, groups // ctx.size, head_dim
         self.qkv = ColumnParallelLinear(cfg.hidden_size, (heads + 2 * groups) * head_dim, ctx,
                                         bias=cfg.has_qkv_bias, init_std=cfg.init_std)
+        declare(self.qkv, "weight", self.qkv.weight,  # where Q, K and V lie: Muon's split_qkv, MuonClip
+                replace(self.qkv.param_info["weight"], heads=(groups, heads // groups, head_dim)))
         self.q_norm = _head_norm(cfg, ctx) if cfg.qk_norm else None
         self.k_norm = _head_norm(cfg, ctx) if cfg.qk_norm else None
         self.queries_first = self.ulysses is not None and ctx.fp8 is None

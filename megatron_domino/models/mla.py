@@ -62,15 +62,16 @@ class LatentAttention(AttentionPhase):
         self.query_scale = softmax_scale_factor(cfg)
         qk_dim = self.nope_dim + self.rope_dim
         self.latent_width = (self.q_rank or 0) + self.kv_rank + self.rope_dim
-        self.down = _weight_holder((self.latent_width, cfg.hidden_size),
-                                   ParamInfo(None, "normal", cfg.init_std, grad_sums_over_tp=True), ctx)
+        blocks = (self.q_rank,) * bool(self.q_rank) + (self.kv_rank + self.rope_dim,)  # Muon's separate matrices
+        self.down = _weight_holder((self.latent_width, cfg.hidden_size), ParamInfo(
+            None, "normal", cfg.init_std, grad_sums_over_tp=True, matrix=True, blocks=blocks), ctx)
         if self.q_rank:
             self.q_latent_norm = _latent_norm(self.q_rank, cfg, ctx)
             self.q_up = ColumnParallelLinear(self.q_rank, heads * qk_dim, ctx, bias=False, init_std=cfg.init_std)
         else:  # queries straight from the hidden state, through the same TP entry as ``down``
             spec = ShardSpec(0, (heads * qk_dim,))
             self.q_proj = _weight_holder((spec.local_size(ctx.size), cfg.hidden_size),
-                                         ParamInfo(spec, "normal", cfg.init_std), ctx)
+                                         ParamInfo(spec, "normal", cfg.init_std, matrix=True), ctx)
         self.kv_latent_norm = _latent_norm(self.kv_rank, cfg, ctx)
         self.kv_up = ColumnParallelLinear(self.kv_rank, heads * (self.nope_dim + self.v_dim), ctx, bias=False,
                                           init_std=cfg.init_std)

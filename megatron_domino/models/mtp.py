@@ -56,7 +56,7 @@ class MTPModule(nn.Module):
         self.hidden_norm = Norm(cfg.norm, h, cfg.norm_eps, ctx)
         self.projection = nn.Module()
         declare(self.projection, "weight", make_param((h, 2 * h), ctx),
-                ParamInfo(None, "normal", cfg.init_std, grad_sums_over_tp=ctx.sequence_parallel))
+                ParamInfo(None, "normal", cfg.init_std, grad_sums_over_tp=ctx.sequence_parallel, matrix=True))
         self.block = TransformerBlock(cfg, ctx, layer_number=cfg.num_layers + depth - 1)
         self.final_norm = Norm(cfg.norm, h, cfg.norm_eps, ctx)
 

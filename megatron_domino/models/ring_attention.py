@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from .attention_kernels import accumulation_dtype, attention_backward, attention_forward
 from .document_attention import document_spans
+from .logit_max import fold
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,11 @@ def split_for_context_parallel(batch: dict, cp_size: int, cp_rank: int, a2a: int
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring,
-                   doc_offsets: torch.Tensor | None = None) -> torch.Tensor:
+                   doc_offsets: torch.Tensor | None = None, logit_max: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole ring's keys: q [b, heads, s/cp, d], k and v
-    [b, groups, s/cp, d] (grouped-query heads as they are); ``doc_offsets`` [b, n + 1] host int32 or None."""
-    return _RingAttention.apply(q, k, v, ring, doc_offsets)
+    [b, groups, s/cp, d] (grouped-query heads as they are); ``doc_offsets`` [b, n + 1] host int32 or None;
+    ``logit_max``: each head's running largest logit, folded over every block attended (``logit_max``)."""
+    return _RingAttention.apply(q, k, v, ring, doc_offsets, logit_max)
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,7 @@ def _fold(grad: torch.Tensor, queries_per_group: int) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, doc_offsets):
+    def forward(ctx, q, k, v, ring: Ring, doc_offsets, logit_max):
         chunk, per_group = q.shape[2] // 2, q.shape[1] // k.shape[1]
         acc = accumulation_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -172,6 +174,8 @@ class _RingAttention(torch.autograd.Function):
             for piece in pieces:
                 at_q, at_k = piece.at_queries, piece.at_keys
                 part, part_lse = attention_forward(q[at_q], keys[at_k], values[at_k], piece.causal)
+                if logit_max is not None:
+                    fold(logit_max, q[at_q], keys[at_k], piece.causal)
                 merged = torch.logaddexp(lse[at_q], part_lse)
                 out[at_q] = (out[at_q] * torch.exp(lse[at_q] - merged).unsqueeze(-1)
                              + part.to(acc) * torch.exp(part_lse - merged).unsqueeze(-1))
@@ -214,4 +218,4 @@ class _RingAttention(torch.autograd.Function):
                 block = incoming[0]
         _wait(travelling[1])
         grad_block = travelling[0]
-        return grad_q.to(q.dtype), grad_block[0].to(k.dtype), grad_block[1].to(v.dtype), None, None
+        return grad_q.to(q.dtype), grad_block[0].to(k.dtype), grad_block[1].to(v.dtype), None, None, None

@@ -26,7 +26,6 @@ is still the whole gradient: the all-to-all's backward already brought every ran
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -38,22 +37,16 @@ from .grad_buffer import Fragment, GradBuffer
 from .grad_norm import global_norm, local_squared_norm
 from .loss_scaler import found_inf_across_ranks, loss_scaler_from_config
 from .host_step import offload_step
-from .param_groups import STATE_KEYS, build_inner_optimizer, load_inner_state, weight_decay_groups
+from .low_precision import DTYPES, stream_key
+from .muon import MuonStep
+from .muon_plan import describe
+from .param_groups import InnerSteps
+from .qk_clip import QKClip
+from .state_access import StateAccess
 from .weight_hooks import shard_model_weights, sharded_weight, unit_keys
 
 
-@dataclass(frozen=True)
-class OwnedFragment:
-    """What a checkpoint keeps of one fragment this rank steps (``owned_fragments``)."""
-
-    fragment: Fragment
-    name: str  # the parameter's stored name: its global name, or its original's for a tied copy
-    info: object  # the parameter's sharding-table row (``tensor_parallel.ParamInfo``)
-    master: torch.Tensor  # the fp32 master of the fragment (flat)
-    states: dict  # the inner optimizer's state tensors for it by name (none before the first step)
-
-
-class DistributedOptimizer:
+class DistributedOptimizer(StateAccess):
     """See the module docstring. ``norm_groups``: the model-parallel groups (TP, PP) over which squared
     norms and inf flags are summed besides DP; None entries are skipped. ``dp_group`` None means no data
     parallelism (only without torch.distributed, or with one rank). ``bucket_alone``: global names of
@@ -68,11 +61,11 @@ class DistributedOptimizer:
         over their own replicas, the norm over TP and the pipeline."""
         return cls(model_chunks, opt, dp_group=state.dp_cp_group, tp_rank=state.tp_rank,
                    norm_groups=[state.tp_group, state.pp_group], fp16=fp16, bf16=bf16, bucket_alone=bucket_alone,
-                   expert_dp_group=state.expert_dp_group, ep_group=state.ep_group)
+                   expert_dp_group=state.expert_dp_group, ep_group=state.ep_group, tp_group=state.tp_group)
 
     def __init__(self, model_chunks: list[torch.nn.Module], opt: OptimizerConfig, *, dp_group, tp_rank: int,
                  norm_groups: list, fp16: bool = False, bf16: bool = False, bucket_alone: tuple[str, ...] = (),
-                 expert_dp_group=None, ep_group=None):
+                 expert_dp_group=None, ep_group=None, tp_group=None):
         if fp16 and bf16:
             raise ConfigError("train.fp16 / train.bf16", (fp16, bf16), "at most one precision may be chosen",
                               "set one of them to false")
@@ -96,13 +89,17 @@ class DistributedOptimizer:
         self.units = shard_model_weights(model_chunks, self.buffers, units, opt) if units else None
         self.fragments: list[Fragment] = [f for buffer in self.buffers for f in buffer.fragments()]
         self.device = self.buffers[0].device if self.buffers else torch.device("cpu")
-        self.host = offload_step(model_chunks, self.buffers, self.fragments, opt, self.device, self.units)
+        self.muon = self._muon(tp_group) if opt.name == "muon" else None
+        scales = {i: self.muon.scale_of(i) for i in range(len(self.fragments))} if self.muon is not None else {}
+        keys = [stream_key(self.infos[id(f.param)].tied_to or self.names[id(f.param)], f.start) for f in self.fragments]
+        self.host = offload_step(model_chunks, self.buffers, self.fragments, opt, self.device, self.units, scales, keys)
+        dtype = DTYPES[opt.master_dtype]
         self.masters = [self.host.masters[i] if i in self.host.masters  # offloaded: a host copy
-                        else f.data if f.data.dtype == torch.float32 else f.data.float()  # fp32 weights: themselves
+                        else f.data if f.data.dtype == dtype else f.data.to(dtype)  # weights of its dtype: themselves
                         for i, f in enumerate(self.fragments)]
-        groups = weight_decay_groups([(m, f.param) for i, (m, f) in enumerate(zip(self.masters, self.fragments))
-                                      if i not in self.host.masters], opt.weight_decay)
-        self.optimizer = build_inner_optimizer(groups, opt) if groups else None  # the device's masters
+        on_device = [(m, f.param, scales.get(i), keys[i]) for i, (m, f) in enumerate(zip(self.masters, self.fragments))
+                     if i not in self.host.masters]
+        self.optimizer = InnerSteps(on_device, opt) if on_device else None  # the device's masters
         self._fragment_of = {id(f.param): f for f in self.fragments}
         self._buffer_of = {id(p): buffer for buffer in self.buffers for p in buffer.params}
         for buffer in self.buffers:
@@ -110,6 +107,7 @@ class DistributedOptimizer:
                 param.register_post_accumulate_grad_hook(self._on_grad)
         self._last_microbatch = True
         self.steps = 0
+        self.qk_clip: QKClip | None = None
 
     def _build_buffers(self, model_chunks, units: dict[int, str]) -> list[GradBuffer]:
         """One buffer per (chunk, weight dtype, expert or not, weights sharded or not), parameters in reverse
@@ -131,6 +129,13 @@ class DistributedOptimizer:
                                           shard_weights=sharded, unit_of=lambda p: units.get(id(p))))
         return buffers
 
+    def _muon(self, tp_group) -> MuonStep:
+        """Muon's plan over every 2-D hidden weight this rank's buffers hold (the rest is AdamW's)."""
+        tp = comm.group_size(tp_group)
+        entries = [(describe(p, self.infos[id(p)], buffer, tp, self.opt), buffer.group) for buffer in self.buffers
+                   for p in buffer.params if self.infos[id(p)].matrix and p.dim() == 2]
+        return MuonStep(entries, self.fragments, self.opt, tp_group, self.device)
+
     # ----- the step's brackets ---------------------------------------------------------------------
     @property
     def loss_scale(self) -> float:
@@ -145,7 +150,16 @@ class DistributedOptimizer:
         """Bucket reductions launched since construction (tests count them)."""
         return sum(buffer.launches for buffer in self.buffers)
 
+    def clip_logits(self, trackers: list) -> None:
+        """MuonClip (``optim/qk_clip.py``) over the attention layers' logit ``trackers`` (``models.logit_max``)."""
+        if self.host.masters:
+            raise ConfigError("optimizer.muon_qk_clip", self.opt.muon_qk_clip, "rescales masters on the device, and "
+                              "optimizer.offload keeps them on the host", "set optimizer.offload=null")
+        self.qk_clip = QKClip(trackers, self.fragments, self.opt.muon_qk_clip, self.dp_group)
+
     def zero_grad(self) -> None:
+        if self.qk_clip is not None:  # a step begins: its logits alone count
+            self.qk_clip.reset()
         for buffer in self.buffers:
             buffer.zero()
             for param in buffer.params:
@@ -225,22 +239,22 @@ class DistributedOptimizer:
         return dense + experts
 
     def _update(self, lr: float) -> None:
-        """The host thread takes the offloaded buckets; the device steps its own masters meanwhile."""
+        """Muon orthogonalizes first (collective); then the host thread takes the offloaded buckets and the
+        device steps its own masters meanwhile."""
+        updates = self.muon.orthogonalize() if self.muon is not None else {}
         if self.host.order:
-            self.host.launch(lr)
+            self.host.launch(lr, updates, self.steps + 1)
         if self.optimizer is None:
             return
-        on_device = [(m, f) for i, (m, f) in enumerate(zip(self.masters, self.fragments)) if i not in self.host.masters]
-        for master, fragment in on_device:
-            master.grad = fragment.grad if fragment.grad.dtype == torch.float32 else fragment.grad.float()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        copies = [(f.data, m) for m, f in on_device if m is not f.data]
+        on_device = [(i, m, f) for i, (m, f) in enumerate(zip(self.masters, self.fragments))
+                     if i not in self.host.masters]
+        self.optimizer.step(lr, {id(m): updates[i] if i in updates else f.grad if f.grad.dtype == torch.float32
+                                 else f.grad.float() for i, m, f in on_device}, self.steps + 1)
+        if self.qk_clip is not None:
+            self.qk_clip.apply(self.masters, self.fragments)
+        copies = [(f.data, m) for _, m, f in on_device if m is not f.data]
         if copies:
             torch._foreach_copy_([data for data, _ in copies], [master for _, master in copies])
-        for master, _ in on_device:
-            master.grad = None
 
     def settle(self) -> None:
         """Complete the offloaded host step now (before reading or writing weights or masters from outside)."""
@@ -262,53 +276,3 @@ class DistributedOptimizer:
         DP."""
         self.host.settle()
         return self.units.all_gathered() if self.units is not None else contextlib.nullcontext()
-
-    # ----- what a checkpoint needs (optim/sharded_state.py places it in layout-free full tensors) ---------
-    def owned_fragments(self) -> list[OwnedFragment]:
-        self.host.settle()
-        states = {m: state for inner in self._inner() for m, state in inner.state.items()}
-        return [OwnedFragment(f, self.infos[id(f.param)].tied_to or self.names[id(f.param)], self.infos[id(f.param)],
-                              m, states.get(m, {})) for f, m in zip(self.fragments, self.masters)]
-
-    def _inner(self) -> list[torch.optim.Optimizer]:
-        """The inner optimizers: the device's, and the host's for offloaded masters (either may be absent)."""
-        return [inner for inner in (self.optimizer, self.host.optimizer) if inner is not None]
-
-    def state_keys(self) -> tuple[str, ...]:
-        """The inner optimizer's per-parameter state tensors (Adam's moments, SGD's momentum; none without one)."""
-        return STATE_KEYS[self.opt.name] if self._inner() else ()
-
-    def scalars(self) -> dict:
-        """The optimizer's scalars, the same on every rank: the loss scaler's state and the step count."""
-        return {"scaler": self.scaler.state_dict(), "step": self.steps}
-
-    def load(self, states: list[dict], scalars: dict) -> None:
-        """Take loaded state tensors (per owned fragment, in ``owned_fragments`` order) and ``scalars``."""
-        self.host.settle()
-        step = int(scalars["step"])
-        if any(states):
-            by_master = {id(m): entry for m, entry in zip(self.masters, states)}
-            for inner in self._inner():
-                load_inner_state(inner, by_master, step, self.opt)
-        self.scaler.load_state_dict(scalars["scaler"])
-        self.steps = step
-        if self.units is not None:  # the weights were loaded too: no gathered copy of the old ones survives
-            self.units.release_all()
-
-    # ----- accounting ------------------------------------------------------------------------------------
-    def memory_report(self) -> dict:
-        """Bytes held on this rank: ``master_bytes`` even where masters are the fp32 weights; ``params``, weight
-        elements; ``host_bytes``, masters and optimizer state offloaded (``optimizer.offload``); ``weight_bytes``,
-        weights held now (ZeRO-3: shard + gathered layers); ``gathered_peak_bytes``, ZeRO-3's most gathered."""
-        states = [state for inner in self._inner() for state in inner.state.values()]
-        return {
-            "params": sum(p.numel() for buffer in self.buffers for p in buffer.params),
-            "master_bytes": sum(m.numel() * m.element_size() for m in self.masters),
-            "optimizer_state_bytes": sum(t.numel() * t.element_size() for state in states
-                                         for t in state.values() if torch.is_tensor(t)),
-            "grad_bytes": sum(buffer.grad_bytes() for buffer in self.buffers),
-            "grad_peak_bytes": sum(buffer.peak_grad_bytes() for buffer in self.buffers),
-            "host_bytes": self.host.host_bytes(),
-            "weight_bytes": sum(buffer.weights.resident_bytes() for buffer in self.buffers),
-            "gathered_peak_bytes": self.units.peak_bytes if self.units is not None else 0,
-        }

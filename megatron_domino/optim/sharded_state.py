@@ -7,7 +7,7 @@ views, a load reads into them. Since the full tensors depend on neither the DP s
 nor the bucket size, a run saved at dp = 2 / ZeRO-1 resumes at dp = 4 / ZeRO-2: each rank reads the
 rectangles of its new fragments. A tied copy of a parameter (the last stage's output head) is stored
 once, by its original, and read from it. Only what the optimizer exposes for checkpoints is used
-(``owned_fragments``, ``state_keys``, ``scalars``, ``load``): its buffers and inner optimizer stay its own.
+(``owned_fragments``, ``new_state``, ``scalars``, ``load``): its buffers and inner optimizer stay its own.
 """
 from __future__ import annotations
 
@@ -21,19 +21,21 @@ def _regions(dopt, owned, flat: torch.Tensor) -> list[Region]:
     return regions(fragment.param, owned.info, dopt.tp_rank, fragment.start, fragment.end, flat=flat)
 
 
-def checkpoint_regions(dopt) -> dict[str, tuple[tuple[int, ...], list[Region]]]:
-    """'<param>/<state>' -> (full shape, this rank's regions): what this rank writes. Before the first step
-    the optimizer has no states yet, and only masters are offered."""
-    out: dict[str, tuple[tuple[int, ...], list[Region]]] = {}
+def checkpoint_regions(dopt) -> dict[str, tuple[tuple[int, ...], torch.dtype, list[Region]]]:
+    """'<param>/<state>' -> (full shape, dtype, this rank's regions): what this rank writes, each state in its own
+    dtype (bf16 moments stay 2 bytes). Before the first step the optimizer has no states yet, and only masters are
+    offered."""
+    out: dict[str, tuple[tuple[int, ...], torch.dtype, list[Region]]] = {}
     for owned in dopt.owned_fragments():
         if owned.info.tied_to is not None:  # stored once, by its original
             continue
-        for key in ("master",) + dopt.state_keys():
+        for key in ("master",) + owned.keys:
             value = owned.master if key == "master" else owned.states.get(key)
             if value is None:
                 continue
             shape = stored_shape(owned.fragment.param.shape, owned.info)
-            out.setdefault(f"{owned.name}/{key}", (shape, []))[1].extend(_regions(dopt, owned, value.detach()))
+            entry = out.setdefault(f"{owned.name}/{key}", (shape, value.dtype, []))
+            entry[2].extend(_regions(dopt, owned, value.detach()))
     return out
 
 
@@ -53,14 +55,21 @@ def checkpoint_meta(dopt) -> dict:
 
 
 class ShardedStateLoad:
-    """Where a load puts the optimizer state: masters straight into their tensors, optimizer states into
-    fresh per-fragment buffers that ``apply`` hands to the optimizer (which places them on its device)."""
+    """Where a load puts the optimizer state: masters straight into their tensors, optimizer states into fresh
+    per-fragment buffers that ``apply`` hands to the optimizer (which places them on its device). ``stored``: the
+    '<param>/<state>' names the checkpoint holds; a state it lacks (the momentum of Muon in a checkpoint trained
+    with AdamW, Adam's moments in one trained with Muon) starts afresh, and ``fresh`` names it for the log."""
 
-    def __init__(self, dopt, meta: dict):
+    def __init__(self, dopt, meta: dict, stored: set[str] | None = None):
         self.dopt, self.meta = dopt, meta
         self.owned = dopt.owned_fragments()
-        keys = dopt.state_keys() if int(meta["step"]) > 0 else ()
-        self.states = [{key: torch.zeros_like(owned.master) for key in keys} for owned in self.owned]
+        self.fresh: set[str] = set()
+        self.states = []
+        for index, owned in enumerate(self.owned):
+            keys = owned.keys if int(meta["step"]) > 0 else ()
+            found = [k for k in keys if stored is None or f"{owned.name}/{k}" in stored]
+            self.fresh.update(k for k in keys if k not in found)
+            self.states.append({key: dopt.new_state(index, key) for key in found})
 
     def targets(self) -> dict[str, list[Region]]:
         """'<param>/<state>' -> the regions this rank reads."""

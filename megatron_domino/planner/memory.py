@@ -45,19 +45,20 @@ covers the CUDA context, NCCL buffers and fragmentation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache, wraps
+from functools import cache
 
 from ..config.schema import Config
 from ..models.counters import mtp_module_parameters, norm_parameters
 from ..optim.grad_buffer import IN_FLIGHT
 from ..pipeline.schedules import chunk_stage, get, schedule_kind, v_shape
-from ..pipeline.stages import layer_partition
 from .activations import chunk_activation_bytes, loss_transient_bytes, recompute_working_bytes, weight_bytes
 from .context_parallel import context_parallel_transient_bytes
 from .hardware import GPU
+from .layout_cache import per_model_layout, stage_layers  # noqa: F401 - timing.py takes them from here
 from .held_gradients import chunk_held_bytes
 from .pipeline_model import held_gradients, in_flight, v_peak, v_states
 from .moe import expert_replicas, layer_parameters, whole_experts
+from .optimizer_state import muon_share, state_bytes
 
 GIB = 2**30
 
@@ -91,39 +92,6 @@ class StageMemory:
         terms = " + ".join(f"{name} {value / scale:.1f}" for name, value in parts)
         host = f" (+ {self.host / scale:.1f} {unit} of optimizer state in host memory)" if self.host else ""
         return f"{terms} = {self.total / scale:.1f} {unit}{host}"
-
-
-def _model_key(model) -> tuple:
-    """The model section's values as a dictionary key (lists, such as moe_layer_freq, as tuples)."""
-    values = tuple(vars(model).values())
-    try:
-        hash(values)  # the common case, and a search builds tens of thousands of keys
-    except TypeError:
-        return tuple(tuple(v) if isinstance(v, list) else v for v in values)
-    return values
-
-
-def per_model_layout(fn):
-    """Memoise ``fn(cfg)``, a function of the model, its pipeline split and placement (the V or not) and tp / ep only:
-    a search asks for the same few values thousands of times. Results are shared, so they are tuples."""
-    results: dict = {}
-
-    @wraps(fn)
-    def memoised(cfg: Config):
-        par = cfg.parallel
-        key = (_model_key(cfg.model), par.tp, par.pp, par.ep, par.expert_tp, par.virtual_pp, par.pipeline_partition,
-               tuple(par.pipeline_layout or ()), v_shape(par.pipeline_schedule))  # the V places chunks otherwise
-        if key not in results:
-            results[key] = fn(cfg)
-        return results[key]
-
-    return memoised
-
-
-@per_model_layout
-def stage_layers(cfg: Config) -> tuple:
-    """``layer_partition``, memoised."""
-    return tuple(tuple(layers) for layers in layer_partition(cfg))
 
 
 # ----- parameters --------------------------------------------------------------------------------
@@ -172,26 +140,27 @@ def static_bytes(cfg: Config, params: float, dp: int, experts: float = 0.0,
     expert state over the expert-data-parallel group; the last is in host memory."""
     opt, e = cfg.optimizer, weight_bytes(cfg)
     grad_e = 4 if opt.accumulate_grads_in_fp32 else e
-    moments = 8 if opt.name == "adamw" else (4 if opt.momentum > 0 else 0)
     grads = state = host = weights = 0.0
     offloaded = opt.offload_fraction if opt.offload else 0.0
     bucket = opt.bucket_size_mb * 2**20
     dense_widest, expert_widest = bucket_weights(cfg)[rank]
     buckets = (sum(max(bucket, w * grad_e) for w in dense_widest),  # a weight is never cut in two
                (1 + IN_FLIGHT) * max(bucket, expert_widest * grad_e))
-    for count, shards, held in ((params - experts, dp * cfg.parallel.cp, buckets[0]),
-                                (experts, expert_replicas(cfg, dp), buckets[1])):
+    for count, shards, held, share in ((params - experts, dp * cfg.parallel.cp, buckets[0],
+                                        muon_share(cfg, rank, params - experts)),
+                                       (experts, expert_replicas(cfg, dp), buckets[1], 1.0)):
         zero = opt.zero_stage if shards > 1 else 0  # one replica: the shard is the whole (as the optimizer does)
         full_grads = count * grad_e
         if zero <= 1:  # ZeRO-1 reduce-scatters in place: its shard lies inside the full buffer
             grads += full_grads
         else:  # ZeRO-2: the shard, and full buckets only while they are written and reduced
             grads += full_grads / shards + min(full_grads, held)
-        # per weight: a master unless the weights are fp32 (their own masters), and the moments; an offloaded
-        # weight always gets a master of its own, in host memory
+        # per weight: masters and moments by rule and precision (``optimizer_state``); an offloaded weight gets a
+        # master of its own in host memory, and keeps only Muon's momentum on the device
         owners = shards if zero >= 1 else 1  # ranks that share this state
-        state += (1 - offloaded) * count * ((4 if e != 4 else 0) + moments) / owners
-        host += offloaded * count * (4 + moments) / owners
+        per = state_bytes(opt, e, share if opt.name == "muon" else 0.0)
+        state += count * ((1 - offloaded) * per.device + offloaded * per.offloaded_device) / owners
+        host += offloaded * count * per.offloaded_host / owners
         weights += count * e / (shards if zero == 3 else 1)
     if opt.zero_stage == 3 and dp * cfg.parallel.cp > 1:  # the gathered window (the whole stage without resharding)
         weights += params * e if not opt.reshard_after_forward else gathered_window(cfg, rank) * e

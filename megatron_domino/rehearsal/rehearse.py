@@ -109,8 +109,7 @@ def claim_state(memory: AllocationAccounting, trainer) -> None:
     optimizer = trainer.optimizer
     grads = [t for buffer in optimizer.buffers
              for t in [buffer.grad_data, buffer.shard_data] + [bucket.grad for bucket in buffer.buckets]]
-    states = [t for state in (optimizer.optimizer.state.values() if optimizer.optimizer is not None else [])
-              for t in state.values() if torch.is_tensor(t)]
+    states = optimizer.device_state()
     memory.claim(params + [buffer.weights.shard for buffer in optimizer.buffers if buffer.weights.sharded],
                  "parameters", force=True)
     memory.claim(grads, "gradients", force=True)

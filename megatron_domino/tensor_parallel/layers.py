@@ -55,7 +55,8 @@ class ColumnParallelLinear(nn.Module):
         if spec.full_size != out_features:
             raise ValueError(f"parts {parts} must add up to out_features {out_features}")
         local_out = spec.local_size(ctx.size)
-        declare(self, "weight", make_param((local_out, in_features), ctx), ParamInfo(spec, "normal", init_std))
+        declare(self, "weight", make_param((local_out, in_features), ctx),
+                ParamInfo(spec, "normal", init_std, matrix=True))
         declare(self, "bias", make_param((local_out,), ctx) if bias else None,
                 ParamInfo(ShardSpec(0, spec.parts), "zeros"))
         self.fp8 = fp8_scaling(ctx, (WEIGHT, GRAD))  # TP splits the weight's rows and the output's gradient
@@ -82,7 +83,7 @@ class RowParallelLinear(nn.Module):
         self.ctx, self.input_is_parallel = ctx, input_is_parallel
         spec = ShardSpec(1, (in_features,))
         declare(self, "weight", make_param((out_features, spec.local_size(ctx.size)), ctx),
-                ParamInfo(spec, "normal", init_std))
+                ParamInfo(spec, "normal", init_std, matrix=True))
         # Under SP the bias is added to this rank's slice of the sequence only: its gradient sums over TP.
         declare(self, "bias", make_param((out_features,), ctx) if bias else None,
                 ParamInfo(None, "zeros", grad_sums_over_tp=ctx.sequence_parallel))

@@ -50,6 +50,9 @@ class ParamInfo:
     tied_to: str | None = None  # a copy of this global parameter (a tied output head on another stage)
     expert: bool = False  # an expert's: replicated over the expert-data-parallel group, not all of dp
     tp_replicated: bool = True  # unsplit (spec None) and the same on every TP rank; False: each TP rank's own
+    matrix: bool = False  # a hidden layer's 2-D weight (attention, MLP, experts): what Muon orthogonalizes
+    blocks: tuple[int, ...] | None = None  # rows of separate matrices fused into this one otherwise than by spec parts
+    heads: tuple[int, int, int] | None = None  # a fused QKV: (query groups, queries per group, head dim), group-major
 
     def full_shape(self, local_shape) -> tuple[int, ...]:
         """The shape of the full tensor (vocabulary padding included) whose TP slice has ``local_shape``."""

@@ -88,9 +88,9 @@ def fp8_history_targets(chunks, step_dir: str) -> tuple[dict[str, list[tensors.P
 
 
 def optimizer_state(optimizer) -> dict[str, tensors.Stored]:
-    """'optim/<name>/<state>' -> this rank's ZeRO fragments of masters and moments (views)."""
-    return {f"optim/{name}": tensors.Stored(shape, torch.float32, tensors.pieces_of(found))
-            for name, (shape, found) in checkpoint_regions(optimizer).items()}
+    """'optim/<name>/<state>' -> this rank's ZeRO fragments of masters and moments (views), each in its dtype."""
+    return {f"optim/{name}": tensors.Stored(shape, dtype, tensors.pieces_of(found))
+            for name, (shape, dtype, found) in checkpoint_regions(optimizer).items()}
 
 
 def optimizer_targets(load: ShardedStateLoad) -> dict[str, list[tensors.Piece]]:
@@ -203,8 +203,12 @@ class Checkpointer:
         wanted.update(fp8_wanted)
         optimizer_load = None
         if metadata.get("has_optimizer") and optimizer is not None:
-            optimizer_load = ShardedStateLoad(optimizer, metadata["optimizer"])
+            stored = {name.removeprefix("optim/") for name in tensors.stored_tensors(tensors.read_index(path))}
+            optimizer_load = ShardedStateLoad(optimizer, metadata["optimizer"], stored)
             wanted.update(optimizer_targets(optimizer_load))
+            if optimizer_load.fresh and self.state.rank == 0:
+                print(f"checkpoint {path} holds no optimizer state {sorted(optimizer_load.fresh)} (trained with "
+                      f"another optimizer.name or state): those start afresh", flush=True)
         phase.progress(f"reading {len(wanted)} tensors' slices from {path}")
         tensors.read(path, wanted, group=self.group)
         if optimizer_load is not None:

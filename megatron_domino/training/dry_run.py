@@ -21,6 +21,7 @@ from ..parallel.topology import Topology
 from ..pipeline.schedules import get, schedule_kind
 from ..planner.hardware import get_gpu
 from ..planner.memory import GIB, estimate_stages
+from ..planner.muon import muon_balance
 
 FULL_MAP_LIMIT = 32  # worlds up to this size print every rank
 SHOWN = 8  # otherwise the first and last SHOWN ranks
@@ -89,6 +90,14 @@ def _data_parallel(cfg: Config, dp: int) -> str:
                     else "kept gathered from forward to backward"))
     if opt.offload:
         line += f"; {opt.offload_fraction:.0%} of the optimizer shard offloaded to {opt.offload} memory"
+    if (opt.master_dtype, opt.moments_dtype) != ("fp32", "fp32"):
+        line += f"; masters {opt.master_dtype}" + (f" ({opt.master_rounding})" if opt.master_dtype == "bf16" else "")
+        line += f", moments {opt.moments_dtype}"
+    if opt.name == "muon":
+        balance = muon_balance(cfg, dp)
+        line += (f"\nMuon: Newton-Schulz {balance.total / 1e12:.1f} TFLOP per step ({opt.muon_ns_dtype}), each "
+                 f"matrix on one owner; the busiest rank {max(balance.flops) / 1e12:.2f} TFLOP, "
+                 f"{balance.ratio:.2f}x the mean")
     return line
 
 

@@ -18,6 +18,7 @@ from ..fp8.state import end_step as fp8_end_step
 from ..models.counters import flops_per_token
 from ..models.expert_bias import update_expert_biases
 from ..models.language_model import WORD_EMBEDDINGS
+from ..models.logit_max import trackers as logit_trackers
 from ..models.stage_chunks import build_chunks
 from ..optim import LRSchedule
 from ..optim.distributed_optimizer import DistributedOptimizer
@@ -82,6 +83,8 @@ class Trainer:
                                    device=self.device, init_seed=train.seed, rng=self.rng)
         self.optimizer = DistributedOptimizer.for_layout(self.chunks, cfg.optimizer, self.state, fp16=train.fp16,
                                                          bf16=train.bf16, bucket_alone=(WORD_EMBEDDINGS,))
+        if cfg.optimizer.muon_qk_clip is not None:
+            self.optimizer.clip_logits(logit_trackers(self.chunks))
         self.lr_schedule = LRSchedule.from_config(cfg.optimizer, train.steps)
         self.engine = PipelineEngine(self.chunks, self.state, cfg, device=self.device, dtype=self.dtype,
                                      num_microbatches=train.num_microbatches(self.state.dp_size),
