@@ -1,11 +1,8 @@
 """Checkpoint save and load, side by side: the sharded format on torch.distributed.checkpoint, saved
-synchronously and in the background, and the previous full-size format (gathered to DP rank 0, written by
-TP rank 0), on one GPT at tp2·pp2·dp2 with ZeRO-1, fp32, gloo on the CPU.
+synchronously and in the background, on one GPT at tp2·pp2·dp2 with ZeRO-1, fp32, gloo on the CPU.
 
-The driver runs this script as two jobs: one importing this checkout, one importing a ``git worktree`` of
-the commit before the change (``--old-commit``), and prints one table. A job imports its package once and
-forks 8 ranks; each measures whichever checkpoint API the package has, after one training step (so
-Adam's moments exist):
+The driver runs this script as one job, which imports the package once and forks 8 ranks; each measures both
+saves after one training step (so Adam's moments exist):
 
 - blocking: from the call to the return of ``save``, i.e. until training could go on;
 - total: until the checkpoint is published (after ``wait()`` for a background save);
@@ -25,8 +22,6 @@ import gc
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import traceback
@@ -35,7 +30,6 @@ from dataclasses import replace
 from common import MODEL_FLAGS, REPO, RESULTS, add_model_args, format_table, forward_flags, launch, \
     model_overrides, run_harness, write_json
 
-OLD_COMMIT = "5654d1e"  # the last commit with the full-size, synchronous checkpoint
 NPROC = 8
 LAYOUT = ["parallel.tp=2", "parallel.pp=2", "optimizer.zero_stage=1", "parallel.backend=gloo",
           "parallel.domino=false"]
@@ -49,13 +43,11 @@ def parse_args(argv=None):
     add_model_args(parser, hidden=1024, heads=16, layers=12, seq=128, micro_batch=1, vocab=32000)
     parser.add_argument("--small", action="store_true",
                         help="a tiny model that runs in well under a minute (checks the plumbing only)")
-    parser.add_argument("--old-commit", default=OLD_COMMIT, help="the commit with the previous checkpoint code")
     parser.add_argument("--tmp", default=tempfile.gettempdir(), help="where checkpoints are written (removed after)")
     parser.add_argument("--json", default=os.path.join(RESULTS, "checkpoint.json"),
                         help="where the per-rank measurements go (default %(default)s)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a job may take (default 1800)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--code", help=argparse.SUPPRESS)  # worker: the checkout whose package is measured
     parser.add_argument("--name", help=argparse.SUPPRESS)  # worker: the job's name (log dir, checkpoint dir)
     parser.add_argument("--out", help=argparse.SUPPRESS)  # worker: the JSON file of the measurements
     args = parser.parse_args(argv)
@@ -88,13 +80,14 @@ def _own_state_bytes(trainer) -> int:
     return weights + report["master_bytes"] + report["optimizer_state_bytes"]
 
 
-def _new_variants(trainer, checkpoint_module):
-    """'new sync' through the trainer's own Checkpointer, 'new async' through one with async_save on."""
+def _variants(trainer):
+    """'sync' through the trainer's own Checkpointer, 'async' through one with async_save on."""
+    from megatron_domino.training.checkpoint import Checkpointer
     cfg = trainer.cfg
-    background = checkpoint_module.Checkpointer(
+    background = Checkpointer(
         replace(cfg, checkpoint=replace(cfg.checkpoint, async_save=True)), trainer.state, trainer.rng, trainer.run_id)
     variants = {}
-    for name, checkpointer in (("new sync", trainer.checkpointer), ("new async", background)):
+    for name, checkpointer in (("sync", trainer.checkpointer), ("async", background)):
         save = lambda root, c=checkpointer: c.save(  # noqa: E731
             root, trainer.step, chunks=trainer.chunks, optimizer=trainer.optimizer, lr_schedule=trainer.lr_schedule,
             consumed_samples=0, keep=0)
@@ -102,16 +95,6 @@ def _new_variants(trainer, checkpoint_module):
             path, chunks=trainer.chunks, optimizer=trainer.optimizer, lr_schedule=trainer.lr_schedule)
         variants[name] = (save, checkpointer.wait, load)
     return variants
-
-
-def _old_variants(trainer, checkpoint_module):
-    """The full-size functions of the old commit: synchronous, nothing to wait for."""
-    parts = dict(chunks=trainer.chunks, optimizer=trainer.optimizer, lr_schedule=trainer.lr_schedule,
-                 cfg=trainer.cfg, state=trainer.state)
-    save = lambda root: checkpoint_module.save_checkpoint(  # noqa: E731
-        root, trainer.step, consumed_samples=0, keep=0, run_id=trainer.run_id, **parts)
-    load = lambda path: checkpoint_module.load_checkpoint(path, **parts)  # noqa: E731
-    return {"old (full-size gather)": (save, lambda: None, load)}
 
 
 def _measure(save, wait, load, root: str) -> dict:
@@ -144,18 +127,16 @@ def _rank(rank: int, args, results) -> None:
         import torch.distributed as dist
         torch.set_num_threads(args.threads)
         from megatron_domino.config import load_config
-        from megatron_domino.training import checkpoint as checkpoint_module
         from megatron_domino.training.trainer import Trainer
         ckpt_root = os.path.join(args.tmp, args.name)
-        cfg = load_config(os.path.join(args.code or REPO, "configs", "tiny", "gpt.yaml"),
+        cfg = load_config(os.path.join(REPO, "configs", "tiny", "gpt.yaml"),
                           model_overrides(args, args.name) + LAYOUT + [
                               f"checkpoint.dir={ckpt_root}", f"train.global_batch_size={args.micro_batch * 4}"])
         trainer = Trainer(cfg)
         trainer.train_step()
         trainer.step = 1
-        make = _new_variants if hasattr(checkpoint_module, "Checkpointer") else _old_variants
         records = []
-        for name, (save, wait, load) in make(trainer, checkpoint_module).items():
+        for name, (save, wait, load) in _variants(trainer).items():
             root = os.path.join(ckpt_root, f"{len(records)}-{name.split()[0]}")
             records.append({"variant": name, "rank": rank, "own_bytes": _own_state_bytes(trainer),
                             **_measure(save, wait, load, root)})
@@ -168,8 +149,6 @@ def _rank(rank: int, args, results) -> None:
 
 def worker(args) -> None:
     """Import the package once, then fork the ranks: 8 interpreters would each pay the import again."""
-    if args.code:  # before anything imports the package: this checkout's copy must not win
-        sys.path.insert(0, args.code)
     import multiprocessing
 
     import megatron_domino.training.trainer  # noqa: F401 - imported here, inherited by the ranks
@@ -196,18 +175,6 @@ def worker(args) -> None:
 
 
 # ----- driver -----------------------------------------------------------------------------------
-def _old_checkout(commit: str, parent: str) -> str:
-    path = tempfile.mkdtemp(prefix="old_ckpt-", dir=parent)
-    subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", "--force", path, commit], check=True,
-                   stdout=subprocess.DEVNULL)
-    return path
-
-
-def _remove_checkout(path: str) -> None:
-    subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", path], check=False)
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def parameters(args) -> int:
     """The GPT's parameter count: per layer 12h² + 13h, word and position embeddings, the final LayerNorm."""
     h = args.hidden
@@ -234,20 +201,16 @@ HEADERS = ["save", "blocking s", "total s", "load s", "peak RSS MiB", "added MiB
 
 def drive(args) -> None:
     scratch = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.tmp)
-    old = _old_checkout(args.old_commit, scratch)
-    records = []
     try:
-        for name, code in (("new", None), ("old", old)):
-            out = os.path.join(scratch, f"{name}.json")
-            flags = forward_flags(args, MODEL_FLAGS + ("timeout",)) + ["--tmp", scratch, "--name", name, "--out", out]
-            launch(os.path.abspath(__file__), 1, flags + (["--code", code] if code else []))
-            with open(out, encoding="utf-8") as f:
-                records += json.load(f)
+        out = os.path.join(scratch, "saves.json")
+        flags = forward_flags(args, MODEL_FLAGS + ("timeout",)) + ["--tmp", scratch, "--name", "saves", "--out", out]
+        launch(os.path.abspath(__file__), 1, flags)
+        with open(out, encoding="utf-8") as f:
+            records = json.load(f)
     finally:
-        _remove_checkout(old)
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"\nGPT {parameters(args) / 1e6:.0f}M parameters (hidden {args.hidden}, {args.layers} layers, vocab "
-          f"{args.vocab}, seq {args.seq}), fp32, ZeRO-1, tp2·pp2·dp2 on {NPROC} gloo ranks; old = {args.old_commit}")
+          f"{args.vocab}, seq {args.seq}), fp32, ZeRO-1, tp2·pp2·dp2 on {NPROC} gloo ranks")
     print("times: the slowest rank's; memory per rank, max / mean over ranks: peak RSS during the save, how much "
           "of it the save added,\nand the rank's own state (weights, fp32 masters, Adam moments)\n")
     print(format_table(HEADERS, summarize(records)))

@@ -32,17 +32,21 @@ import random
 import re
 import resource
 import statistics
+import sys
 import sysconfig
 import time
 
 import regex
 
-from common import RESULTS, format_table, write_json
+from common import REPO, RESULTS, format_table, write_json
 
 from megatron_domino.config.schema import TokenizerConfig
-from megatron_domino.data import PreprocessOptions, build_tokenizer, preprocess
+from megatron_domino.data import build_tokenizer
 from megatron_domino.data.gpt2_bpe import GPT2_SPLIT_PATTERN
-from megatron_domino.data.quickstart import corpus_documents
+
+sys.path.append(os.path.join(REPO, "tools"))  # the preprocessing tool's modules, imported by name as it does
+from prepare_quickstart_data import corpus_documents  # noqa: E402
+from preprocessing import PreprocessOptions, preprocess  # noqa: E402
 
 PATHS = ("python", "rust")
 _SYLLABLES = ("ka", "ren", "tho", "vil", "mar", "qu", "zen", "dor", "pli", "sta", "wex", "gur", "ion", "bel", "tra",

@@ -1,10 +1,9 @@
 """tools/convert_checkpoint.py: HF <-> native round trips (GPT-2, Llama, Mixtral), logits against transformers,
-reshard, the upgrade of a version-1 checkpoint (the HF config's spellings: test_convert_config.py).
+reshard, a version-1 checkpoint refused (the HF config's spellings: test_convert_config.py).
 
 Tiny random HF models are built from configs and saved locally (one file, and sharded with an index);
 nothing is downloaded. References are transformers itself and the HF files as saved by transformers.
 """
-import importlib.util
 import json
 import os
 import shutil
@@ -22,20 +21,17 @@ from megatron_domino.config import ConfigError, config_to_dict, load_config
 from megatron_domino.config.errors import CheckpointError
 from megatron_domino.convert.convert import hf_to_native, native_to_hf, reshard
 from megatron_domino.convert.hf_config import hf_config_from_model, model_config_from_hf
-from megatron_domino.convert import native_io
 from megatron_domino.convert.native_io import NativeTensors
 from megatron_domino.models import LanguageModel, full_state_dict
-from megatron_domino.models.init import initialize_weights
 from megatron_domino.parallel.random import RNGTracker
 from megatron_domino.parallel.store_barrier import StoreBarriers
 from megatron_domino.training.checkpoint import Checkpointer
 from tests.test_convert_config import LLAMA3_ROPE
+from tests.tools import load_tool
 
 transformers = pytest.importorskip("transformers")
 _CLI = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "convert_checkpoint.py")
-_spec = importlib.util.spec_from_file_location("convert_checkpoint_cli", _CLI)
-cli = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cli)
+cli = load_tool("convert_checkpoint")
 
 
 
@@ -251,30 +247,18 @@ def test_reshard_retargets_the_layout_and_copies_the_tensors(hf_models, tmp_path
     assert set(moved) == set(weights) and all(torch.equal(moved[n], t) for n, t in weights.items())
 
 
-def test_a_version_1_checkpoint_is_refused_with_the_upgrade_and_upgrades_exactly(tmp_path, monkeypatch):
-    """Today's reader refuses the old full-tensor safetensors layout naming the command; the command converts it
-    tensor by tensor, in row blocks (small here, to have many), and the training loader then reads the same
-    weights."""
-    monkeypatch.setattr(native_io, "BLOCK_BYTES", 4096)
+def test_a_version_1_checkpoint_is_refused_naming_the_commit_that_upgrades_it(tmp_path):
+    """The old full-tensor safetensors layout is refused, and the error names the converter that reads it."""
     cfg = load_config(os.path.join(os.path.dirname(_CLI), os.pardir, "configs", "tiny", "llama.yaml"))
-    model, fresh = LanguageModel(cfg.model), LanguageModel(cfg.model)
-    initialize_weights(model, seed=1)
-    initialize_weights(fresh, seed=2)
+    model = LanguageModel(cfg.model)
     old = tmp_path / "old" / "step_00000007"
     old.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in full_state_dict(model).items()}, str(old / "model-pp000.safetensors"))
     meta = {**fmt.metadata(7, config_to_dict(cfg), fmt.layout(1, 1, 1, 1, 1)), "version": 1}
     (old / "metadata.json").write_text(json.dumps(meta))
-    with pytest.raises(CheckpointError, match=r"version-1 checkpoint .* Fix: python tools/convert_checkpoint.py "
-                                              r"upgrade --input"):
-        _load_into(fresh, str(old), cfg)
-    assert cli.main(["upgrade", "--input", str(old), "--output", str(tmp_path / "new"), "--quiet"]) == 0
-    new = resolve_load_path(str(tmp_path / "new"), None)
-    embedding = tensors.read_index(new).state_dict_metadata["model/embedding.word_embeddings.weight"]
-    assert len(embedding.chunks) == -(-embedding.size[0] * embedding.size[1] * 4 // 4096)  # 4096-byte row blocks
-    assert _load_into(fresh, new, cfg)["step"] == 7
-    for (name, expected), (_, loaded) in zip(model.named_parameters(), fresh.named_parameters()):
-        assert torch.equal(loaded, expected), name
+    with pytest.raises(CheckpointError, match=r"version-1 checkpoint .* Fix: upgrade it with the converter of commit "
+                                              r"7c22769 .*convert_checkpoint.py upgrade --input"):
+        _load_into(LanguageModel(cfg.model), str(old), cfg)
 
 
 def test_mixtral_experts_land_in_order_and_its_config_maps_both_ways(hf_models, tmp_path):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megatron_domino.config.schema import TokenizerConfig
-from megatron_domino.data import IndexedDataset, IndexedDatasetBuilder, PreprocessOptions, preprocess
+from megatron_domino.data import IndexedDataset, IndexedDatasetBuilder
+from tests.tools import load_tool
 
 DOCS = [[5, 6, 7], [1], [9, 9, 9, 9, 9], [2, 3], [40000, 1]]
 
@@ -46,8 +47,10 @@ def test_preprocess_writes_what_megatrons_tool_writes_for_empty_documents(tmp_pa
     texts = ["5 6 7", "", "1", "", "", "9 9"]
     vocab, eod = 100, 99
     (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    preprocess(PreprocessOptions(input=str(tmp_path / "c.jsonl"), output_prefix=str(tmp_path / "o"),
-                                 tokenizer=TokenizerConfig(type="NullTokenizer"), vocab_size=vocab, append_eod=True))
+    preprocessing = load_tool("preprocessing")
+    preprocessing.preprocess(preprocessing.PreprocessOptions(
+        input=str(tmp_path / "c.jsonl"), output_prefix=str(tmp_path / "o"),
+        tokenizer=TokenizerConfig(type="NullTokenizer"), vocab_size=vocab, append_eod=True))
     theirs = megatron_indexed.IndexedDatasetBuilder(str(tmp_path / "m.bin"), dtype=np.uint16)
     for text in texts:  # Megatron's tool, step by step, with NullTokenizer's ids
         ids = [int(x) for x in text.split()]

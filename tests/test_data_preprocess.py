@@ -1,5 +1,4 @@
 """JSONL -> .bin/.idx: bad lines counted with their numbers, complete outputs, workers, resumable partitions."""
-import importlib.util
 import json
 import os
 import random
@@ -7,8 +6,10 @@ import random
 import pytest
 
 from megatron_domino.config.schema import TokenizerConfig
-from megatron_domino.data import IndexedDataset, PreprocessOptions, preprocess
-from megatron_domino.data import preprocessing as preprocess_module
+from megatron_domino.data import IndexedDataset
+from tests.tools import load_tool
+
+preprocessing = load_tool("preprocessing")
 
 VOCAB = 1000  # NullTokenizer: text is space-separated ids, EOD = 999
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +47,7 @@ def write_corpus(path, n_docs=300, seed=0):
 def options(tmp_path, **kw):
     base = dict(input=str(tmp_path / "corpus.jsonl"), output_prefix=str(tmp_path / "out" / "corpus"),
                 tokenizer=TokenizerConfig(type="NullTokenizer"), vocab_size=VOCAB, append_eod=True)
-    return PreprocessOptions(**{**base, **kw})
+    return preprocessing.PreprocessOptions(**{**base, **kw})
 
 
 def read(prefix):
@@ -57,7 +58,7 @@ def read(prefix):
 @pytest.mark.parametrize("workers", [1, 2])
 def test_end_to_end_with_bad_lines(tmp_path, workers):
     good, bad = write_corpus(tmp_path / "corpus.jsonl")
-    stats = preprocess(options(tmp_path, workers=workers))
+    stats = preprocessing.preprocess(options(tmp_path, workers=workers))
     prefix = str(tmp_path / "out" / "corpus_text_document")
     assert read(prefix) == [ids + [VOCAB - 1] for ids in good]  # the sequences: no EOD alone for an empty one
     empty = 3
@@ -73,15 +74,15 @@ def test_end_to_end_with_bad_lines(tmp_path, workers):
 
 def test_without_eod_and_with_two_keys(tmp_path):
     (tmp_path / "corpus.jsonl").write_text('{"text": "1 2", "title": "7"}\n{"text": "3", "title": "8 9"}\n')
-    preprocess(options(tmp_path, json_keys=("text", "title"), append_eod=False))
+    preprocessing.preprocess(options(tmp_path, json_keys=("text", "title"), append_eod=False))
     assert read(str(tmp_path / "out" / "corpus_text_document")) == [[1, 2], [3]]
     assert read(str(tmp_path / "out" / "corpus_title_document")) == [[7], [8, 9]]
 
 
 def test_partitions_resume_after_an_interruption(tmp_path, monkeypatch):
     good, bad = write_corpus(tmp_path / "corpus.jsonl", n_docs=400, seed=1)
-    preprocess(options(tmp_path, output_prefix=str(tmp_path / "ref" / "corpus")))
-    real_convert, calls = preprocess_module._convert_range, []
+    preprocessing.preprocess(options(tmp_path, output_prefix=str(tmp_path / "ref" / "corpus")))
+    real_convert, calls = preprocessing._convert_range, []
 
     def failing_on_third_range(opts, byte_range, *args):
         calls.append(byte_range)
@@ -89,13 +90,13 @@ def test_partitions_resume_after_an_interruption(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real_convert(opts, byte_range, *args)
 
-    monkeypatch.setattr(preprocess_module, "_convert_range", failing_on_third_range)
+    monkeypatch.setattr(preprocessing, "_convert_range", failing_on_third_range)
     with pytest.raises(KeyboardInterrupt):
-        preprocess(options(tmp_path, partitions=4))
+        preprocessing.preprocess(options(tmp_path, partitions=4))
     assert not os.path.exists(tmp_path / "out" / "corpus_text_document.idx")  # nothing final yet
     first_two = calls[:2]
     calls.clear()
-    stats = preprocess(options(tmp_path, partitions=4))
+    stats = preprocessing.preprocess(options(tmp_path, partitions=4))
     assert len(calls) == 2 and not set(calls) & set(first_two)  # finished ranges were not redone
     assert stats.bad_count == len(bad) and [n for n, _ in stats.bad_lines] == sorted(bad)
     for ext in (".bin", ".idx"):
@@ -105,10 +106,7 @@ def test_partitions_resume_after_an_interruption(tmp_path, monkeypatch):
 
 
 def tool():
-    spec = importlib.util.spec_from_file_location("preprocess_cli", os.path.join(REPO, "tools", "preprocess_data.py"))
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    return cli
+    return load_tool("preprocess_data")
 
 
 def test_cli_reports_bad_lines_with_numbers(tmp_path, capsys):

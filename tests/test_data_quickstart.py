@@ -1,31 +1,22 @@
 """Quick-start data: small, deterministic, idempotent, and its .bin/.idx decodes back to the corpus."""
-import importlib.util
 import json
 import os
 
 from megatron_domino.config.schema import TokenizerConfig
 from megatron_domino.data import IndexedDataset, build_tokenizer
-from megatron_domino.data.quickstart import corpus_documents
+from tests.tools import load_tool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def load_tool():
-    spec = importlib.util.spec_from_file_location("prepare_quickstart",
-                                                  os.path.join(REPO, "tools", "prepare_quickstart_data.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
-
-
 def test_prepare_quickstart_data(tmp_path, capsys):
     out = tmp_path / "qs"
-    tool = load_tool()
+    tool = load_tool("prepare_quickstart_data")
     assert tool.main(["--output-dir", str(out)]) == 0
     corpus = out / "corpus.jsonl"
     assert os.path.getsize(corpus) < 2 * 2**20
     texts = [json.loads(line)["text"] for line in corpus.read_text(encoding="utf-8").splitlines()]
-    assert texts == corpus_documents() and len(texts) > 500
+    assert texts == tool.corpus_documents() and len(texts) > 500
 
     tok = build_tokenizer(TokenizerConfig(type="SentencePieceTokenizer", model=str(out / "tokenizer.model")),
                           vocab_size=1024)

@@ -3,7 +3,7 @@ import pytest
 
 from megatron_domino.config.schema import TokenizerConfig
 from megatron_domino.data import build_tokenizer
-from megatron_domino.data.quickstart import train_sentencepiece
+from tests.tools import load_tool
 
 TEXTS = ["Hello world.", "  two  spaces\tand a tab\n\nnew lines", "digits 1234567890 and 3.14159",
          "Ünïcödé: 日本語, Привет, 🎉👍🏽", "def f(x):\n    return x ** 2  # code", ""]
@@ -14,7 +14,7 @@ TRAINING = [f"Document {i}: the quick brown fox jumps over the lazy dog {i * 7} 
 @pytest.fixture(scope="module")
 def sp_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("sp") / "tok.model"
-    train_sentencepiece(TRAINING, str(path), vocab_size=400)
+    load_tool("prepare_quickstart_data").train_sentencepiece(TRAINING, str(path), vocab_size=400)
     return path
 
 

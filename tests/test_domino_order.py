@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from megatron_domino.config import ModelConfig
-from megatron_domino.domino import print_schedule
 from megatron_domino.domino.executor import run_order
 from megatron_domino.domino.order import backward_order, forward_order
 from megatron_domino.models import TransformerBlock, initialize_weights
@@ -16,6 +15,9 @@ from megatron_domino.tensor_parallel import LayerContext
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from spans import where_issued  # noqa: E402
+from tests.tools import load_tool
+
+print_domino_order = load_tool("print_domino_order")
 
 
 def labels(order):
@@ -53,7 +55,7 @@ def test_every_order_launches_and_waits_each_phase_once_in_chunk_order(overlap):
 def test_order_errors():
     with pytest.raises(ValueError, match="parallel.domino_overlap = 'both'"):
         forward_order(2, 2, "both")
-    assert print_schedule.main(["--layers", "1", "--chunks", "0"]) == 2
+    assert print_domino_order.main(["--layers", "1", "--chunks", "0"]) == 2
 
 
 def test_executor_computes_what_the_synchronous_forward_computes():
@@ -81,8 +83,8 @@ def test_executor_computes_what_the_synchronous_forward_computes():
         assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6), name
 
 
-def test_print_schedule(capsys):
-    assert print_schedule.main(["--layers", "1", "--chunks", "2", "--embedding", "--head"]) == 0
+def test_print_domino_order(capsys):
+    assert print_domino_order.main(["--layers", "1", "--chunks", "2", "--embedding", "--head"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("forward:  E0> E1> E0 A0.0> E1 A0.1>") and "backward: H1' H0' ~H1" in out
 

@@ -9,10 +9,6 @@ recompute (the backward's recompute runs while the forward's thread waits for it
 pp 2 x dp 2 x ep 2 without TP, whose turns fall at the experts' exchanges. ZeRO-3 with the turns runs in
 ``test_pipeline_v_training`` (tp 2 x pp 2 x dp 2).
 """
-import json
-import re
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -26,7 +22,6 @@ from tests.test_expert_parallel import DROPLESS_LLAMA, _microbatches
 from tests.test_moe import _reference as moe_reference
 from tests.test_pipeline import GLOBAL_BATCH, GPT, LLAMA
 from tests.test_zero_bubble import LR, OPT, _batches, _reference, _train
-from tests.training_runs import REPO, environment
 
 pytestmark = pytest.mark.slow  # multi-rank training runs: the whole suite, not -m quick
 
@@ -119,22 +114,3 @@ def test_f_and_b_turns_equal_the_halves_in_sequence_and_one_process():
             assert any(len(group) == 2 and group[1] - group[0] == 1 for group in groups)  # the TP groups were seen
         else:
             assert any(name == "all_to_all_single" for rank_calls in calls for _, name, _ in rank_calls)
-
-
-def test_the_benchmark_times_every_mode(tmp_path):
-    """benchmarks/f_and_b.py on the raw loopback at a tiny size, both layouts: each mode's row, and at tp 2 the
-    no-communication bound's time in Domino's waits below the sequence's (the waits it measures are the TP
-    reduces')."""
-    path = tmp_path / "f_and_b.json"
-    result = subprocess.run([sys.executable, "benchmarks/f_and_b.py", "--rates", "none", "--hidden", "64", "--heads",
-                             "4", "--seq", "32", "--vocab", "256", "--rounds", "1", "--warmup", "1", "--json",
-                             str(path)], cwd=REPO, env=environment(), capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    for layout, modes in (("tp2", ("turns", "sequence", "nocomm")), ("ep2", ("turns", "sequence"))):
-        assert re.search(rf"^{layout}, link none: F&B unit", result.stdout, re.M), result.stdout
-        for mode in modes:
-            assert re.search(rf"^{mode}\s+\d+\.\d\s+\d\.\d\d\s+(-?\d+%|-)\s+-?\d+\.\d", result.stdout, re.M)
-        data = json.loads(path.with_name(f"f_and_b-{layout}-none.json").read_text())
-        assert sorted(data["unit_s"]) == sorted(modes)
-    tp2 = json.loads(path.with_name("f_and_b-tp2-none.json").read_text())
-    assert tp2["waits_s"]["nocomm"] < tp2["waits_s"]["sequence"]

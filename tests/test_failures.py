@@ -18,7 +18,7 @@ def test_killed_rank_every_rank_exits_and_names_the_dead_peer(tmp_path):
                                         f"parallel.timeout_s={TIMEOUT_S}", "checkpoint.save_at_end=false"], logs)
     try:
         wait_for_step(run, 3, procs[0])
-        os.kill(procs[5].pid, signal.SIGKILL)  # rank 5 = (tp 1, pp 1, dp 0) under the tp-dp-pp order
+        os.kill(procs[5].pid, signal.SIGKILL)  # rank 5 = (tp 1, pp 1, dp 0) under the tp-cp-dp-pp order
         killed_at = time.monotonic()
         for proc in procs:
             proc.wait(timeout=TIMEOUT_S + 15)

@@ -14,7 +14,7 @@ from megatron_domino.config.schema import TokenizerConfig
 from megatron_domino.data import build_tokenizer
 from megatron_domino.training.metrics import MetricsWriter
 from megatron_domino.validation import validate_config
-from tests.test_data_quickstart import load_tool
+from tests.tools import load_tool
 from tests.training_runs import REPO, TINY, environment, metrics, train
 
 PROMPTS = ["Once upon a time", "The old man said"]
@@ -24,7 +24,7 @@ PROMPTS = ["Once upon a time", "The old man said"]
 def quickstart(tmp_path_factory):
     """The quick start's corpus and SentencePiece tokenizer, made in a temporary folder."""
     out = tmp_path_factory.mktemp("quickstart")
-    assert load_tool().main(["--output-dir", str(out)]) == 0
+    assert load_tool("prepare_quickstart_data").main(["--output-dir", str(out)]) == 0
     return str(out)
 
 

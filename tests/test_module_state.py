@@ -19,7 +19,6 @@ ALLOWED = {
     "fp8/grouped_kernel.py": ({"_refused"}, "a cache of the weight shapes CUDA's kernel refused"),
     "fp8/native_blockwise.py": ({"_refused"}, "a cache of the shapes CUDA's kernel refused"),
     "pipeline/schedules/__init__.py": ({"SCHEDULES"}, "the registry of schedule records, filled at import"),
-    "data/preprocessing.py": ({"_worker_state"}, "a preprocessing pool worker's own tokenizer"),
 }
 
 

@@ -13,7 +13,8 @@ import os
 
 import pytest
 
-from tests.training_runs import REPO, train
+from tests.training_runs import train
+from tests.tools import load_tool
 
 pytestmark = [pytest.mark.slow, pytest.mark.sweep]
 
@@ -35,10 +36,7 @@ def _last50(data: str, run: str, overrides: list[str]) -> float:
 
 
 def test_muon_beats_tuned_adamw_and_bf16_state_trains_like_fp32(tmp_path):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("prepare", os.path.join(REPO, "tools", "prepare_quickstart_data.py"))
-    prepare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prepare)
+    prepare = load_tool("prepare_quickstart_data")
     data = str(tmp_path / "data")
     assert prepare.main(["--output-dir", data]) == 0
     run = lambda name, overrides: _last50(data, str(tmp_path / name), overrides)  # noqa: E731

@@ -11,11 +11,13 @@ from fractions import Fraction
 
 import pytest
 
-from megatron_domino.pipeline import print_schedule
 from megatron_domino.pipeline.program import Instruction, TransferGroup, transfers_of
 from megatron_domino.pipeline.schedules import build_schedule
 from megatron_domino.pipeline.simulate import Costs, ScheduleError, simulate
 from megatron_domino.pipeline.timeline import render_timeline
+from tests.tools import load_tool
+
+print_schedule = load_tool("print_schedule")
 
 _OPS = {"rF": "recv_forward", "F": "forward", "sF": "send_forward",
         "rB": "recv_backward", "B": "backward", "I": "backward_input", "sB": "send_backward", "W": "backward_weight"}

@@ -5,10 +5,12 @@ import pytest
 
 from megatron_domino.config.errors import ConfigError
 from megatron_domino.config.loader import config_from_dict
-from megatron_domino.pipeline.print_schedule import main as print_schedule
 from megatron_domino.pipeline.program import Overlapped, TransferGroup, stage_rank, virtual_stage
 from megatron_domino.pipeline.schedules import build_schedule, chunk_stage
 from megatron_domino.pipeline.simulate import simulate
+from tests.tools import load_tool
+
+print_schedule = load_tool("print_schedule").main
 
 pytestmark = pytest.mark.quick
 GRID = [(pp, m) for pp in (2, 4, 8) for m in range(pp, 33, pp)]

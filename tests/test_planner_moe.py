@@ -2,7 +2,6 @@
 all-to-alls, the search over ep, the Mixtral configs, and the ``--ep`` option's errors."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 
@@ -22,6 +21,7 @@ from megatron_domino.planner.timing import estimate_step_time
 from megatron_domino.tensor_parallel import LayerContext
 from tests.test_planner import _batch, _build, _saved_bytes, fake_tp  # noqa: F401  (the fixture)
 from tests.test_planner_cp import _filled
+from tests.tools import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIXTRAL = {name: os.path.join(ROOT, "configs/mixtral", f"{name}.yaml") for name in ("8x7b", "8x22b")}
@@ -197,10 +197,7 @@ def test_mixtral_configs_hold_the_planners_first_choice(name):
 # ----- bad input ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def plan():
-    spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(ROOT, "tools/plan.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("plan")
 
 
 @pytest.mark.parametrize("argv,message", [

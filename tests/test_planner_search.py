@@ -6,7 +6,6 @@ an invalid one).
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import replace
 from itertools import product
@@ -22,6 +21,7 @@ from megatron_domino.pipeline.simulate import simulate
 from megatron_domino.planner.hardware import get_gpu
 from megatron_domino.planner.search import MICRO_BATCHES, Layout, candidate_layouts, divisors, evaluate, rank_layouts
 from megatron_domino.validation import validate_config
+from tests.tools import load_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT, MIXTRAL = os.path.join(ROOT, "configs/tiny/gpt.yaml"), os.path.join(ROOT, "configs/tiny/mixtral.yaml")
@@ -133,9 +133,7 @@ def test_published_layouts_are_feasible_and_impossible_ones_are_not():
 
 
 def test_plan_cli_prints_a_table_and_emits_a_loadable_layout(capsys):
-    spec = importlib.util.spec_from_file_location("plan_cli", os.path.join(ROOT, "tools/plan.py"))
-    plan = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plan)
+    plan = load_tool("plan")
     assert plan.main(["--model", "tiny-gpt", "--gpu", "cpu", "--nodes", "1", "--gpus-per-node", "4", "--top", "3"]) == 0
     table = capsys.readouterr().out
     rows = [line for line in table.splitlines() if line[:4].strip().isdigit() and " | " in line]

@@ -1,18 +1,15 @@
 """tools/plot_metrics.py: two runs into one PNG of the requested size; panels without data are left out and named
 with the reason; validation sets get a line each; bad inputs exit 2 with a clear message."""
-import importlib.util
 import json
 import os
 import struct
 
 import pytest
 
-from tests.training_runs import REPO
+from tests.tools import load_tool
 
 pytest.importorskip("matplotlib")
-_spec = importlib.util.spec_from_file_location("plot_metrics", os.path.join(REPO, "tools", "plot_metrics.py"))
-plot_metrics = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plot_metrics)
+plot_metrics = load_tool("plot_metrics")
 
 
 def _write_run(folder, scale):

@@ -13,6 +13,7 @@ from megatron_domino.pipeline import schedules
 from megatron_domino.pipeline.simulate import simulate
 from megatron_domino.validation import validate_config
 from tests.fake_cuda import REPO
+from tests.tools import load_tool
 
 GPIPE = '''
 """GPipe (Huang et al. 2019): every forward, then every backward."""
@@ -53,7 +54,6 @@ def _cfg(extra=()):
 
 
 def test_a_schedule_in_one_new_module_is_seen_everywhere(gpipe, capsys):
-    from megatron_domino.pipeline.print_schedule import main as print_schedule
     from megatron_domino.planner.pipeline_model import in_flight, pipeline_bubble
     from megatron_domino.planner.search import schedule_choices
     from megatron_domino.rehearsal.rehearse import fewest_microbatches
@@ -72,7 +72,7 @@ def test_a_schedule_in_one_new_module_is_seen_everywhere(gpipe, capsys):
     assert pipeline_bubble("gpipe", 4, 8) == 3.0 and in_flight(cfg, 1) == [4, 4]  # m = 8 / 2 micro-batches
     assert "gpipe" in schedule_choices(_cfg(), 2, 1, asked=True)
     assert fewest_microbatches(cfg, 1, 0) == 4  # its peak is every micro-batch: no fewer will do
-    assert print_schedule(["--pp", "2", "--microbatches", "4", "--kind", "gpipe"]) == 0
+    assert load_tool("print_schedule").main(["--pp", "2", "--microbatches", "4", "--kind", "gpipe"]) == 0
     assert "gpipe" in capsys.readouterr().out
     assert "GPipe" in pipeline_svg("gpipe")
     assert pipeline_theory.closed_form("gpipe", 8, 4) == pytest.approx(3 / 11)

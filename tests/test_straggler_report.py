@@ -12,7 +12,7 @@ from tests.training_runs import COMMON, REPO, TINY
 
 pytestmark = pytest.mark.slow  # multi-rank training runs: the whole suite, not -m quick
 
-SLOW_RANK, EXTRA_S = 5, 0.6  # rank 5 = tp 0, pp 1, dp 1 in tp-dp-pp order
+SLOW_RANK, EXTRA_S = 5, 0.6  # rank 5 = tp 0, pp 1, dp 1 in tp-cp-dp-pp order
 
 
 def _train(rank, world_size, run_dir):

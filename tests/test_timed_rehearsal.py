@@ -1,6 +1,5 @@
 """The real-device rehearsal with timed collectives (tools/rehearse.py --device, rehearsal/timed_rehearse.py) and the
 Domino harness built on it (benchmarks/domino_timed.py): what they issue, predict and refuse."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +10,7 @@ import pytest
 from megatron_domino.pipeline.schedules import build_schedule
 from megatron_domino.rehearsal.instruction_times import predict_step, stage_costs
 from tests.fake_cuda import REPO, on_fake_cuda
+from tests.tools import load_tool
 
 TINY = ["parallel.tp=2", "parallel.pp=2"]  # tiny GPT at 8 ranks: tp 2 x pp 2 x dp 2
 TINY_CONFIG = os.path.join(REPO, "configs", "tiny", "gpt.yaml")
@@ -23,10 +23,7 @@ def _tool(*args, timeout=300):
 
 def _tool_here(capsys, *args) -> tuple[int, str]:
     """tools/rehearse.py's main in this process (no interpreter start-up): (exit status, stderr)."""
-    spec = importlib.util.spec_from_file_location("rehearse_tool", os.path.join(REPO, "tools", "rehearse.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    status = tool.main(list(args))
+    status = load_tool("rehearse").main(list(args))
     return status, capsys.readouterr().err
 
 

@@ -9,19 +9,19 @@ from tests.harness import run_ranks
 
 # (tp, pp, dp, order) -> expected groups, written out by hand from "innermost axis first".
 EXPECTED = {
-    (2, 2, 2, "tp-dp-pp"): dict(
+    (2, 2, 2, "tp-cp-dp-pp"): dict(
         tp=[[0, 1], [2, 3], [4, 5], [6, 7]], dp=[[0, 2], [1, 3], [4, 6], [5, 7]],
         pp=[[0, 4], [1, 5], [2, 6], [3, 7]], mp=[[0, 1, 4, 5], [2, 3, 6, 7]],
         emb=[[0, 4], [1, 5], [2, 6], [3, 7]]),
-    (4, 1, 2, "tp-dp-pp"): dict(
+    (4, 1, 2, "tp-cp-dp-pp"): dict(
         tp=[[0, 1, 2, 3], [4, 5, 6, 7]], dp=[[0, 4], [1, 5], [2, 6], [3, 7]],
         pp=[[r] for r in range(8)], mp=[[0, 1, 2, 3], [4, 5, 6, 7]], emb=[[r] for r in range(8)]),
-    (1, 4, 2, "tp-dp-pp"): dict(
+    (1, 4, 2, "tp-cp-dp-pp"): dict(
         tp=[[r] for r in range(8)], dp=[[0, 1], [2, 3], [4, 5], [6, 7]],
         pp=[[0, 2, 4, 6], [1, 3, 5, 7]], mp=[[0, 2, 4, 6], [1, 3, 5, 7]], emb=[[0, 6], [1, 7]]),
-    (2, 1, 1, "tp-dp-pp"): dict(
+    (2, 1, 1, "tp-cp-dp-pp"): dict(
         tp=[[0, 1]], dp=[[0], [1]], pp=[[0], [1]], mp=[[0, 1]], emb=[[0], [1]]),
-    (2, 2, 2, "tp-pp-dp"): dict(
+    (2, 2, 2, "tp-cp-pp-dp"): dict(
         tp=[[0, 1], [2, 3], [4, 5], [6, 7]], dp=[[0, 4], [1, 5], [2, 6], [3, 7]],
         pp=[[0, 2], [1, 3], [4, 6], [5, 7]], mp=[[0, 1, 2, 3], [4, 5, 6, 7]],
         emb=[[0, 2], [1, 3], [4, 6], [5, 7]]),
@@ -83,7 +83,8 @@ def test_context_parallel_groups_match_hand_written_layout(layout):
         assert topo.rank_of(tp=c.tp, pp=c.pp, dp=c.dp, cp=c.cp) == rank
         ring = next(g for g in topo.cp_groups() if rank in g)
         assert ring[c.cp] == rank  # the ring runs in cp order
-    assert Topology(8, tp=2, pp=2, order="tp-dp-pp").order == "tp-cp-dp-pp"  # orders from before CP still work
+    with pytest.raises(ValueError, match=r"parallel.order = 'tp-dp-pp'.*permutation of tp, cp, dp, pp"):
+        Topology(8, tp=2, pp=2, order="tp-dp-pp")  # every axis named, cp too
 
 
 @pytest.mark.parametrize("layout", list(EXPECTED), ids=lambda l: "tp{}-pp{}-dp{}-{}".format(*l))

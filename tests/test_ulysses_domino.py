@@ -1,12 +1,8 @@
 """Ulysses' output all-to-alls across Domino's μ-chunks (``parallel.cp_a2a_output_overlap``): the attention core a
 phase of its own in Domino's order, so that a μ-chunk's output exchange is still in flight while the next
 μ-chunk's core runs; the blocks' outputs and gradients equal Domino's usual order; the order's notation; bad
-settings refused before init; the two Ulysses overlap benchmarks run. (Training parity against one process:
+settings refused before init. (Training parity against one process:
 ``tests/test_ulysses.py``.)"""
-import json
-import re
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -23,7 +19,6 @@ from tests.test_context_parallel import LLAMA_16
 from tests.test_mla import MLA
 from tests.test_pipeline import GLOBAL_BATCH, GPT, MICRO_BATCH
 from tests.test_ulysses import _Log
-from tests.training_runs import REPO, environment
 
 
 @pytest.mark.quick
@@ -99,24 +94,3 @@ def test_bad_output_overlap_settings_are_refused_before_init():
     cfg = layout_config(LLAMA_16, MICRO_BATCH, GLOBAL_BATCH, cp_a2a_output_overlap=True)
     cfg.data.mock = True
     assert any("no effect with parallel.cp=1" in w for w in validate_config(cfg, world_size=1, check_paths=False))
-
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("script, heading, modes, usual", [
-    ("ulysses_queries", "attention at cp 2", ("queries first", "fused", "nocomm"), "fused"),
-    ("ulysses_domino", "2 GPT blocks at cp 2", ("apart", "usual", "nocomm"), "usual")])
-def test_the_ulysses_benchmarks_time_every_mode(tmp_path, script, heading, modes, usual):
-    """benchmarks/ulysses_queries.py and ulysses_domino.py on the raw loopback at a tiny size: a row per mode, and
-    the no-comm bound's time in the exchanges' waits below the usual path's (the waits they measure are the
-    all-to-alls')."""
-    path = tmp_path / f"{script}.json"
-    result = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--rates", "none", "--hidden", "64",
-                             "--heads", "4", "--seq", "64", "--rounds", "3", "--warmup", "1", "--json", str(path)],
-                            cwd=REPO, env=environment(), capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    assert re.search(rf"^link none: {heading}", result.stdout, re.M), result.stdout
-    for mode in modes:
-        assert re.search(rf"^{mode}\s+\d+\.\d\s+\d\.\d\d\s+-?\d+\.\d", result.stdout, re.M), result.stdout
-    data = json.loads(path.with_name(f"{script}-none.json").read_text())
-    assert data["waits_s"]["nocomm"] < data["waits_s"][usual]

@@ -4,7 +4,6 @@
         --input HF_DIR --output DIR --tp 2 --pp 2
     python tools/convert_checkpoint.py native-to-hf --input DIR --output HF_DIR [--max-shard-size 5GB]
     python tools/convert_checkpoint.py reshard --input DIR --output DIR2 --tp 1 --pp 4
-    python tools/convert_checkpoint.py upgrade --input OLD_DIR --output DIR   # a version-1 checkpoint
 
 hf-to-native also writes DIR/config.yaml, so `pretrain_llama.py --config DIR/config.yaml data.path=[PREFIX]`
 fine-tunes (or evaluates with --eval-only) from the converted weights.
@@ -21,7 +20,7 @@ import torch  # noqa: E402
 
 from megatron_domino.config import ConfigError  # noqa: E402
 from megatron_domino.config.errors import CheckpointError  # noqa: E402
-from megatron_domino.convert.convert import hf_to_native, native_to_hf, reshard, upgrade  # noqa: E402
+from megatron_domino.convert.convert import hf_to_native, native_to_hf, reshard  # noqa: E402
 from megatron_domino.convert.hf_config import MODEL_TYPES  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,10 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     again.add_argument("--pp", type=int, required=True)
     again.add_argument("--virtual-pp", type=int, default=1)
     again.add_argument("--ep", type=int, help="expert-parallel ranks (default: the input's)")
-    old = commands.add_parser("upgrade", help="version-1 native checkpoint -> this release's sharded format")
-    old.add_argument("--input", required=True, help="checkpoint root (follows 'latest') or a step_* directory")
-    old.add_argument("--output", required=True, help="new checkpoint root")
-    for sub in (to_native, to_hf, again, old):
+    for sub in (to_native, to_hf, again):
         sub.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 
@@ -69,9 +65,6 @@ def main(argv=None) -> int:
         elif args.command == "native-to-hf":
             out = native_to_hf(args.input, args.output, max_shard_size=args.max_shard_size,
                                dtype=DTYPES.get(args.dtype), quiet=args.quiet)
-            print(f"wrote {out}")
-        elif args.command == "upgrade":
-            out = upgrade(args.input, args.output, quiet=args.quiet)
             print(f"wrote {out}")
         else:
             out = reshard(args.input, args.output, tp=args.tp, pp=args.pp, virtual_pp=args.virtual_pp,

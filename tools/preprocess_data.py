@@ -19,13 +19,8 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 from megatron_domino.config.schema import TOKENIZERS, TokenizerConfig  # noqa: E402
 from megatron_domino.data.fast_tokenizer import IMPLS  # noqa: E402
-from megatron_domino.data.preprocessing import (  # noqa: E402
-    PreprocessOptions,
-    output_prefix,
-    preprocess,
-    write_bad_line_report,
-)
 from megatron_domino.data.tokenizer import build_tokenizer  # noqa: E402
+from preprocessing import PreprocessOptions, output_prefix, preprocess, write_bad_line_report  # noqa: E402
 
 _BAD_LINES_SHOWN = 20
 

@@ -126,7 +126,8 @@ def main(argv=None) -> int:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results if args.all else results[0], f, indent=1)
     if args.all:
-        print("\n| config | GPUs | layout | stage | rehearsed GiB | planner GiB | diff |\n|---|---|---|---|---|---|---|")
+        print("\n| config | GPUs | layout | stage | rehearsed GiB | planner GiB | diff |")
+        print("|---|---|---|---|---|---|---|")
         print("\n".join(row for result in results for row in markdown_rows(result, CONFIGS)))
     for problem in found:
         print(f"FAILED: {problem}")

@@ -19,7 +19,8 @@ Reading refuses anything damaged with a ``CheckpointError`` naming the file: met
 (types, non-negative counts, a step equal to its folder's), unreadable JSON, a damaged index, a missing or
 truncated shard file. A damaged step or ``latest`` names the intact steps beside it that can be loaded
 instead, so nothing ever loads silently wrong and no one is left guessing what is still good. A version-1
-checkpoint (full-size tensors per pipeline stage in safetensors) is refused with the command that upgrades it.
+checkpoint (full-size tensors per pipeline stage in safetensors) is refused with the commit whose converter
+upgrades it.
 """
 from __future__ import annotations
 
@@ -54,11 +55,6 @@ def rng_file(rank: int) -> str:
 def layout(tp: int, pp: int, dp: int | None, virtual_pp: int, zero_stage: int | None, cp: int = 1) -> dict:
     """The layout a checkpoint was saved at (None: not tied to one, as after an offline conversion)."""
     return {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "virtual_pp": virtual_pp, "zero_stage": zero_stage}
-
-
-def saved_layout(meta: dict) -> dict:
-    """metadata.json's layout, with cp 1 where it was written before context parallelism existed."""
-    return {"cp": 1, **meta.get("layout", {})}
 
 
 def metadata(step: int, config: dict, layout: dict, *, consumed_samples: int = 0, lr_schedule: dict | None = None,
@@ -165,7 +161,7 @@ def _schema_problems(meta, step_dir: str) -> list[str]:
         problems.append("has_optimizer is true but 'optimizer' or 'lr_schedule' is null")
     if not isinstance(meta["config"].get("model"), dict):
         problems.append("config.model is not an object")
-    problems += [f"layout.{k} = {meta['layout'].get(k)!r} is not a positive integer" for k in ("tp", "pp")
+    problems += [f"layout.{k} = {meta['layout'].get(k)!r} is not a positive integer" for k in ("tp", "cp", "pp")
                  if not (_RULES[_COUNT](meta["layout"].get(k)) and meta["layout"][k] > 0)]
     folder = re.fullmatch(r"step_(\d+)", os.path.basename(os.path.normpath(step_dir)))
     if folder and int(folder.group(1)) != meta["step"]:
@@ -186,8 +182,9 @@ def _read_metadata(path: str) -> dict:
         raise ValueError(f"{meta_path} is not valid JSON ({problem})") from problem
     if isinstance(meta, dict) and meta.get("version") == 1:
         raise CheckpointError(f"{path} is a version-1 checkpoint (full-size tensors in model-pp*.safetensors), "
-                              f"which this release reads only through its converter. Fix: python "
-                              f"tools/convert_checkpoint.py upgrade --input {path} --output NEW_DIR, then load NEW_DIR")
+                              f"which this release no longer reads. Fix: upgrade it with the converter of commit "
+                              f"7c22769 (git worktree add ../md-7c22769 7c22769; python ../md-7c22769/tools/"
+                              f"convert_checkpoint.py upgrade --input {path} --output NEW_DIR), then load NEW_DIR")
     if isinstance(meta, dict) and meta.get("version") != VERSION:
         raise ValueError(f"{meta_path}: format version {meta.get('version')!r} is not {VERSION}")
     problems = _schema_problems(meta, path)

@@ -14,15 +14,7 @@ from .model_config import (ACTIVATIONS, ARCHITECTURE_KEYS, ATTENTION_BACKENDS, M
                            MOE_DROP_POLICIES, MOE_ROUTERS, NORMS, POSITION_EMBEDDINGS, RECOMPUTE, ROPE_SCALINGS,
                            ModelConfig)
 
-AXES = ("tp", "cp", "dp", "pp")  # parallel.order is these joined by '-', innermost first (cp optional)
-
-
-def full_order(order: str) -> str:
-    """``order`` with the cp axis placed right after tp when it is not named (orders from before CP)."""
-    axes = order.split("-")
-    if "cp" not in axes and "tp" in axes:
-        axes.insert(axes.index("tp") + 1, "cp")
-    return "-".join(axes)
+AXES = ("tp", "cp", "dp", "pp")  # parallel.order is these joined by '-', innermost first
 
 
 DOMINO_SPLITS = ("row", "column", "2d")

@@ -1,5 +1,4 @@
-"""The offline conversions: HF -> native, native -> HF, native -> native at another layout, and the upgrade of
-a version-1 native checkpoint.
+"""The offline conversions: HF -> native, native -> HF, and native -> native at another layout.
 
 HF conversions work in two passes over conversion groups (the embedding, each layer, the final norm and
 head): first on shape-only "meta" tensors, which fixes every output file's contents and header; then on
@@ -32,7 +31,6 @@ from .hf_config import (
 from .hf_io import (
     INDEX_FILE,
     SafetensorsWriter,
-    TensorFiles,
     nbytes,
     open_hf_checkpoint,
     parse_size,
@@ -245,40 +243,3 @@ def reshard(input_path: str, output: str, *, tp: int, pp: int, virtual_pp: int =
     publish_step_dir(output, tmp, metadata)
     return output
 
-
-def upgrade(input_path: str, output: str, *, quiet: bool = False) -> str:
-    """A version-1 checkpoint (full-size tensors per pipeline stage, in safetensors) -> this release's format,
-    one tensor at a time; weights, optimizer state, data position and schedule carry over (RNG streams too)."""
-    step_dir = input_path if os.path.exists(os.path.join(input_path, fmt.METADATA)) else \
-        fmt.resolve_load_path(input_path, None)
-    with open(os.path.join(step_dir, fmt.METADATA), encoding="utf-8") as f:
-        metadata = json.load(f)
-    if metadata.get("version") != 1:
-        raise ValueError(f"{step_dir} is a version-{metadata.get('version')} checkpoint, not version 1. Fix: "
-                         f"nothing to upgrade; load it as it is")
-    specs, sources = {}, {}
-    for prefix in ("model", "optim"):
-        files = sorted(os.path.join(step_dir, f) for f in os.listdir(step_dir)
-                       if f.startswith(prefix + "-") and f.endswith(".safetensors"))
-        if files:
-            source = TensorFiles(files)
-            for name in sorted(source.keys()):
-                specs[f"{prefix}/{name}"] = source.spec(name)
-                sources[f"{prefix}/{name}"] = (source, name)
-    tmp = start_step_dir(output, metadata["step"])
-    progress = _progress(specs, "upgrade", quiet)
-
-    def fetch(stored_name):
-        source, name = sources[stored_name]
-        tensor = source.get(name)
-        progress.update(tensor.nbytes)
-        return tensor
-
-    try:
-        write_native(tmp, specs, fetch)
-    finally:
-        progress.close()
-    if os.path.isdir(os.path.join(step_dir, "rng")):
-        shutil.copytree(os.path.join(step_dir, "rng"), os.path.join(tmp, "rng"))
-    publish_step_dir(output, tmp, {**metadata, "version": fmt.VERSION})
-    return output

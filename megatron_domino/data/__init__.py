@@ -4,7 +4,6 @@ from .builder import build_train_valid_test_datasets
 from .gpt_dataset import GPTDataset, MockGPTDataset, SampleOptions
 from .indexed_dataset import IndexedDataset, IndexedDatasetBuilder, token_dtype
 from .loader import MicroBatchLoader
-from .preprocessing import PreprocessOptions, PreprocessStats, preprocess
 from .sample import make_sample
 from .tokenizer import (
     BaseTokenizer,
@@ -17,7 +16,7 @@ from .tokenizer import (
 
 __all__ = [
     "BaseTokenizer", "BlendedDataset", "GPT2BPETokenizer", "GPTDataset", "HuggingFaceTokenizer", "IndexedDataset",
-    "IndexedDatasetBuilder", "MicroBatchLoader", "MockGPTDataset", "NullTokenizer", "PreprocessOptions",
-    "PreprocessStats", "SampleOptions", "SentencePieceTokenizer", "build_blending_indices", "build_tokenizer",
-    "build_train_valid_test_datasets", "make_sample", "preprocess", "token_dtype",
+    "IndexedDatasetBuilder", "MicroBatchLoader", "MockGPTDataset", "NullTokenizer", "SampleOptions",
+    "SentencePieceTokenizer", "build_blending_indices", "build_tokenizer", "build_train_valid_test_datasets",
+    "make_sample", "token_dtype",
 ]

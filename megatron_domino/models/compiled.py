@@ -28,7 +28,7 @@ mu-chunks) and a grad mode or two (training, evaluation).
 Speed: each region call costs tens of microseconds of host time (guards, AOTAutograd, kernel launch) in forward
 and again in backward, so compile pays where the fused elementwise work is large against that: the RMSNorm,
 SwiGLU and RoPE of Llama-like models, and GPU steps bound by memory traffic rather than by the host
-(``benchmarks/compile_speed.py``).
+(``benchmarks/reports/2026-12-06-cpu-fp8-compile.md``).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ groups once a process group exists.
 
 Rank order: ``parallel.order`` names the axes innermost first; the default ``tp-cp-dp-pp`` (Megatron's)
 puts a TP group on neighbouring ranks (one node), then the context-parallel ring, then data parallelism,
-with pipeline stages outermost. An order written without ``cp`` (``tp-dp-pp``) gets cp right after tp.
+with pipeline stages outermost.
 Context-parallel ranks hold different parts of the same sequences: they read the same samples (one
 data-parallel rank), and their gradients are reduced together with the data-parallel ones (``dp_cp``).
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from itertools import product
 
 from ..config.checks import Checks
-from ..config.schema import AXES, full_order
+from ..config.schema import AXES
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,8 @@ def check_topology(c: Checks, world_size: int | None, tp: int = 1, pp: int = 1, 
     sizes_ok = all([c.positive("parallel.tp", tp), c.positive("parallel.pp", pp), c.positive("parallel.cp", cp),
                     c.positive("parallel.dp", dp, optional=True), c.positive("parallel.virtual_pp", virtual_pp),
                     c.positive("parallel.ep", ep)])
-    if sorted(full_order(order).split("-")) != sorted(AXES):
-        c.fail("parallel.order", order, "must be a permutation of tp, cp, dp, pp joined by '-' (cp may be left out)",
+    if sorted(order.split("-")) != sorted(AXES):
+        c.fail("parallel.order", order, "must be a permutation of tp, cp, dp, pp joined by '-'",
                "use 'tp-cp-dp-pp' (TP innermost, Megatron's default)")
     if expert_tp not in (None, 1, tp):
         c.fail("parallel.expert_tp", expert_tp, f"must be 1 or parallel.tp = {tp}",
@@ -80,7 +80,7 @@ class Topology:
         dp = check_topology(c, world_size, tp, pp, dp, virtual_pp, order, cp, ep, expert_tp)
         c.raise_problems()
         self.expert_tp = tp if expert_tp is None else expert_tp
-        axes = full_order(order).split("-")
+        axes = order.split("-")
         self.world_size, self.tp, self.cp, self.pp, self.dp, self.ep = world_size, tp, cp, pp, dp, ep
         self.virtual_pp, self.order = virtual_pp, "-".join(axes)
         self.cp_a2a = cp_a2a  # a2a+ring: consecutive CP ranks in one all-to-all group; 1: no nesting

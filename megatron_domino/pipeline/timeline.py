@@ -1,4 +1,5 @@
-"""Text rendering of a simulated schedule, drawn like the pipeline papers' figures.
+"""Text rendering of a simulated schedule, drawn like the pipeline papers' figures (``--print-schedule``,
+``tools/print_schedule.py``).
 
 One row per rank, one fixed-width column per time unit; an op spanning several
 units is one wide cell carrying its label ("F3", "B3", "F3.1" with chunks), and
@@ -7,8 +8,10 @@ units is one wide cell carrying its label ("F3", "B3", "F3.1" with chunks), and
 from __future__ import annotations
 
 import math
+import sys
 
-from .simulate import SimulationResult
+from .schedules import schedule_for, v_shape
+from .simulate import Costs, ScheduleError, SimulationResult, simulate
 
 
 def render_timeline(result: SimulationResult, unit: float | None = None) -> str:
@@ -47,3 +50,30 @@ def summarize(result: SimulationResult) -> str:
              for r in range(result.pp)]
     lines.append(f"makespan {result.makespan:g}  bubble fraction {result.bubble_fraction:.4f}")
     return "\n".join(lines)
+
+
+def show_run(parallel, num_microbatches: int) -> int:
+    """``--print-schedule``: the schedule a run with these settings executes (``schedules.schedule_for``)."""
+    try:
+        kind, schedule = schedule_for(parallel, num_microbatches)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return show(kind, schedule, num_microbatches, parallel.virtual_pp, Costs(), ops=False)
+
+
+def show(kind: str, schedule: list[list], num_microbatches: int, virtual_pp: int, costs: Costs, ops: bool) -> int:
+    """Print the schedule's timeline, per-rank summary and (``ops``) instruction lists; 2 if it cannot run."""
+    try:
+        result = simulate(schedule, num_microbatches, virtual_pp, costs, v_shape=v_shape(kind))
+    except ScheduleError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{kind}: pp={len(schedule)} microbatches={num_microbatches} virtual_pp={virtual_pp} "
+          f"forward={costs.forward:g} backward={costs.backward:g} comm={costs.comm:g}")
+    print(render_timeline(result))
+    print(summarize(result))
+    if ops:
+        for rank, program in enumerate(schedule):
+            print(f"rank {rank} ops: " + " ".join(inst.label(virtual_pp > 1) for inst in program))
+    return 0

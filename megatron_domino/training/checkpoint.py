@@ -219,7 +219,7 @@ class Checkpointer:
         for scaling in fp8_loaded:
             scaling.derive_scales()
         rng_file = os.path.join(path, fmt.rng_file(self.state.rank))
-        if fmt.saved_layout(metadata) == self._layout() and os.path.exists(rng_file):
+        if metadata["layout"] == self._layout() and os.path.exists(rng_file):
             self.rng.restore(torch.load(rng_file, weights_only=True))
         phase.barrier("loaded")
         return metadata

@@ -60,7 +60,7 @@ def main(argv=None, family: str = "GPT") -> int:
         print(f"config error: {error}", file=sys.stderr)
         return 2
     if args.print_schedule:  # the run's own schedule: its kind, and micro-batches per DP rank as the trainer counts
-        from ..pipeline.print_schedule import show_run
+        from ..pipeline.timeline import show_run
         return show_run(cfg.parallel, cfg.train.num_microbatches(Topology.from_config(cfg.parallel, world).dp))
     from .run import run
     try:

@@ -1,15 +1,20 @@
 """Print a pipeline schedule's per-rank timeline and bubble, to review a layout before spending GPUs on it.
 
-    python -m megatron_domino.pipeline.print_schedule --pp 4 --microbatches 8 [--virtual 2] [--kind 1f1b]
+    python tools/print_schedule.py --pp 4 --microbatches 8 [--virtual 2] [--kind 1f1b] [--ops]
+
+(``pretrain_gpt.py CONFIG --print-schedule`` prints the schedule a run's own config executes.)
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from .schedules import build_schedule, implied_chunks, names, schedule_for, schedule_kind, v_shape
-from .simulate import Costs, ScheduleError, simulate
-from .timeline import render_timeline, summarize
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+from megatron_domino.pipeline.schedules import build_schedule, implied_chunks, names, schedule_kind  # noqa: E402
+from megatron_domino.pipeline.simulate import Costs  # noqa: E402
+from megatron_domino.pipeline.timeline import show  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,32 +40,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return show(kind, schedule, args.microbatches, args.virtual,
                 Costs(args.forward_cost, args.backward_cost, args.comm_cost), args.ops)
-
-
-def show_run(parallel, num_microbatches: int) -> int:
-    """``--print-schedule``: the schedule a run with these settings executes (``schedules.schedule_for``)."""
-    try:
-        kind, schedule = schedule_for(parallel, num_microbatches)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return show(kind, schedule, num_microbatches, parallel.virtual_pp, Costs(), ops=False)
-
-
-def show(kind: str, schedule: list[list], num_microbatches: int, virtual_pp: int, costs: Costs, ops: bool) -> int:
-    try:
-        result = simulate(schedule, num_microbatches, virtual_pp, costs, v_shape=v_shape(kind))
-    except ScheduleError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(f"{kind}: pp={len(schedule)} microbatches={num_microbatches} virtual_pp={virtual_pp} "
-          f"forward={costs.forward:g} backward={costs.backward:g} comm={costs.comm:g}")
-    print(render_timeline(result))
-    print(summarize(result))
-    if ops:
-        for rank, program in enumerate(schedule):
-            print(f"rank {rank} ops: " + " ".join(inst.label(virtual_pp > 1) for inst in program))
-    return 0
 
 
 if __name__ == "__main__":

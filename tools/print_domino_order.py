@@ -1,6 +1,6 @@
 """Print Domino's forward order and the backward it implies, to review an overlap mode without running it.
 
-    python -m megatron_domino.domino.print_schedule --layers 2 --chunks 2 [--overlap intra] [--embedding] [--head]
+    python tools/print_domino_order.py --layers 2 --chunks 2 [--overlap intra] [--embedding] [--head]
         [--attention-apart]
 
 Notation: ``A1.0>`` launches layer 1's attention for mu-chunk 0 (compute, then start the all-reduce),
@@ -11,10 +11,13 @@ head, C an attention core run apart (Ulysses, its output all-to-alls in flight).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from ..config.schema import DOMINO_OVERLAPS
-from .order import forward_order, render
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+from megatron_domino.config.schema import DOMINO_OVERLAPS  # noqa: E402
+from megatron_domino.domino.order import forward_order, render  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

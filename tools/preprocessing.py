@@ -1,4 +1,5 @@
-"""JSONL -> Megatron MMIDIDX (PREFIX_<key>_document.bin/.idx), with worker processes and resumable partitions.
+"""JSONL -> Megatron MMIDIDX (PREFIX_<key>_document.bin/.idx), with worker processes and resumable partitions: the
+work behind ``tools/preprocess_data.py`` and ``tools/prepare_quickstart_data.py`` (the package only reads these files).
 
 One JSON object per line; each ``json_keys`` field is tokenized into its own dataset, one document per line.
 An empty text stays an empty document (no sequence, as Megatron-LM's tool writes it), so document k is
@@ -25,13 +26,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jsonl_ranges import partition_ranges, read_batches
 from megatron_domino.config.schema import TokenizerConfig
+from megatron_domino.data.indexed_dataset import IndexedDatasetBuilder, token_dtype
+from megatron_domino.data.progress import Progress
+from megatron_domino.data.tokenizer import build_tokenizer
 from megatron_domino.files import atomic_open
-
-from .indexed_dataset import IndexedDatasetBuilder, token_dtype
-from .jsonl_ranges import partition_ranges, read_batches
-from .progress import Progress
-from .tokenizer import build_tokenizer
 
 _BAD_LINES_KEPT = 10_000
 
