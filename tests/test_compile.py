@@ -1,6 +1,8 @@
 """``model.compile`` (models/compiled.py): compiled training equals eager within 1e-6 (fp32) over 6 SGD steps at
 tp 2 with Domino (a Llama; a GPT with sequence parallelism and full recompute), and compiles nothing after its
 second step; a region that cannot compile says which one it is; the dropout rule; bad settings are refused."""
+import os
+import pathlib
 from dataclasses import replace
 from unittest import mock
 
@@ -74,10 +76,10 @@ def _compiled_against_eager(rank, world_size, cache_dir):
 
 
 @pytest.mark.slow
-def test_compiled_training_equals_eager_at_tp2_with_domino_and_compiles_once(tmp_path):
-    """One spawn of 2 ranks: per layout eager, then compiled (into a fresh inductor cache), from the same seeds and
-    batches."""
-    cache = tmp_path / "inductor"
+def test_compiled_training_equals_eager_at_tp2_with_domino_and_compiles_once():
+    """One spawn of 2 ranks: per layout eager, then compiled (into the run's inductor cache, tests/conftest.py), from
+    the same seeds and batches."""
+    cache = pathlib.Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     for counts in run_ranks(_compiled_against_eager, 2, str(cache), timeout=150):
         for (before, after_2, after_6), layout in zip(counts, LAYOUTS):
             assert after_2 > before and after_6 == after_2, (layout, "graphs before, after steps 2 and 6:",
@@ -127,19 +129,20 @@ def _compiled_fp8_against_eager(rank, world_size, cache_dir):
 
 
 @pytest.mark.slow
-def test_compiled_fp8_training_equals_eager_fp8_and_compiles_once(tmp_path):
+def test_compiled_fp8_training_equals_eager_fp8_and_compiles_once():
     """FP8 with model.compile at tp 2 with Domino (fp32): it used to stop in its first backward, when the cast
     reached dynamo's recompile limit (a Parameter, requires_grad, two formats, transposed views and offsets)."""
-    for counts, kernels in run_ranks(_compiled_fp8_against_eager, 2, str(tmp_path / "inductor"), timeout=300):
+    cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    for counts, kernels in run_ranks(_compiled_fp8_against_eager, 2, cache, timeout=300):
         for recipe, before, after_2, after_6 in counts:
             assert after_2 > before and after_6 == after_2, (recipe, before, after_2, after_6)
         assert max(kernels.values()) <= 4, f"an FP8 kernel near dynamo's limit of 8 graphs: {kernels}"
 
 
 @pytest.mark.slow
-def test_compiled_dualpipev_with_f_and_b_turns_equals_eager_and_compiles_once(tmp_path):
-    for before, after_2, after_6 in run_ranks(_compiled_dualpipev_against_eager, 4, str(tmp_path / "inductor"),
-                                              timeout=300):
+def test_compiled_dualpipev_with_f_and_b_turns_equals_eager_and_compiles_once():
+    cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    for before, after_2, after_6 in run_ranks(_compiled_dualpipev_against_eager, 4, cache, timeout=300):
         assert after_2 > before and after_6 == after_2, (before, after_2, after_6)
 
 
