@@ -171,7 +171,7 @@ def _train_steps(model, batches, steps=3, group=None):
     for step in range(steps):
         opt.zero_grad()
         batch = batches[step]
-        loss = model(None, batch).mean()
+        loss = (model(None, batch) * batch["weights"]).mean()  # weighed per token: the rows' order counts
         loss.backward()
         # under SP these saw only this rank's slice of the sequence
         sum_partial_grads_over_tp([model], group, lambda param: param.grad)
@@ -186,8 +186,8 @@ def check_domino_stack(rank, tp, group):
         for micro_batch in (1, 2, 3):
             g = torch.Generator().manual_seed(10 + micro_batch)
             batches = [{"tokens": torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_length), generator=g),
-                        "labels": torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_length), generator=g)}
-                       for _ in range(3)]
+                        "labels": torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_length), generator=g),
+                        "weights": torch.rand(micro_batch, cfg.seq_length, generator=g)} for _ in range(3)]
             dense = LanguageModel(cfg)
             initialize_weights(dense, seed=7)
             reference = _train_steps(dense, batches)
