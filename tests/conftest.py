@@ -15,6 +15,7 @@ import shutil
 import tempfile
 
 import pytest
+import torch.distributed as dist
 
 from megatron_domino.parallel.strict import install_collective_checks
 
@@ -38,3 +39,13 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=left_out)
         items[:] = [item for item in items if item not in left_out]
 
+
+@pytest.fixture
+def no_process_group(monkeypatch):
+    """Starting a process group fails the test: what must be refused before any group starts is refused before
+    this hook could run (a group started and destroyed again would pass a look at ``dist.is_initialized()``)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process group was started")
+
+    for name in ("init_process_group", "new_group"):
+        monkeypatch.setattr(dist, name, refuse)

@@ -94,6 +94,11 @@ MUTATIONS = [
     _m("expert-bias-moves-the-wrong-way", "aux-loss-free balancing moves the bias toward underused experts",
        "megatron_domino/models/expert_bias.py", "torch.sign(load.mean() - load)", "torch.sign(load - load.mean())",
        "tests/test_expert_bias.py::test_bias_update_equals_its_closed_form_on_4_ranks"),
+    # ----- config errors before any process group
+    _m("validated-after-the-group-starts", "bad configs are refused before any process group starts",
+       "megatron_domino/training/cli.py",
+       "for message in validate_config(cfg, world_size=world, check_paths=check_paths, device_type=device_type):",
+       "for message in []:", "tests/test_cli.py::test_bad_configs_are_refused_before_any_process_group_starts"),
     # ----- the timed group's link model
     _m("latency-counted-twice", "a timed operation lasts latency + bytes / bandwidth",
        "megatron_domino/rehearsal/links.py",
