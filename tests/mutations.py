@@ -29,6 +29,7 @@ P2P = "tests/test_p2p_rules.py"
 SCHEDULES = "tests/test_pipeline_schedules.py"
 TOOL = "tests/test_rehearsal.py::test_the_tool_writes_every_role_with_the_documented_fields"
 SYNC_FREE = "tests/test_sync_free.py"
+MTP_REFERENCE = "tests/test_mtp_reference.py"
 
 MUTATIONS = [
     # ----- layout parity against one process (docs/design/testing.md, docs/domino.md)
@@ -95,6 +96,13 @@ MUTATIONS = [
        "high = min(math.ceil(dimension_of(beta_slow)), dim - 1)",
        "high = min(math.ceil(dimension_of(beta_slow)) + 1, dim - 1)",
        "tests/test_mla.py::test_deepseek_v3_logits_match_transformers_and_round_trip_bit_exact"),
+    _m("mtp-norms-swapped", "DeepSeek-V3's MTP module converts from the hub's layout",
+       "megatron_domino/convert/deepseek_v3.py",
+       '"embedding_norm.weight": "enorm.weight", "hidden_norm.weight": "hnorm.weight"',
+       '"embedding_norm.weight": "hnorm.weight", "hidden_norm.weight": "enorm.weight"', MTP_REFERENCE),
+    _m("mtp-inputs-swapped", "MTP is DeepSeek-V3's", "megatron_domino/models/mtp.py",
+       "torch.cat([self.embedding_norm(embedded), self.hidden_norm(hidden)], dim=-1)",
+       "torch.cat([self.hidden_norm(hidden), self.embedding_norm(embedded)], dim=-1)", MTP_REFERENCE),
     _m("llama3-rope-blend-edge", "Llama's logits equal transformers'", "megatron_domino/models/rope.py",
        "blended = (1 - smooth) * inv_freq / scaling_factor + smooth * inv_freq",
        "blended = smooth * inv_freq / scaling_factor + (1 - smooth) * inv_freq",
