@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from megatron_domino.config import ConfigError
 from megatron_domino.data.loader import collate
 from megatron_domino.models import LanguageModel, initialize_weights
+from megatron_domino.models.expert_bias import update_expert_biases
 from megatron_domino.models.language_model import WORD_EMBEDDINGS
 from megatron_domino.models.mtp import with_mtp_targets
 from megatron_domino.models.ring_attention import split_for_context_parallel
@@ -113,6 +114,7 @@ def _reference(model, documents):
     losses = []
     for samples in _samples(model, documents):
         dense.zero_grad(set_to_none=True)
+        dense.reset_routing_stats()  # the step's loads, which the expert biases move by
         batch = with_mtp_targets(collate(samples), model.mtp_num_layers)
         count, total = batch["loss_mask"].sum(), 0.0
         for start in range(0, GLOBAL_BATCH, MICRO_BATCH):
@@ -125,6 +127,7 @@ def _reference(model, documents):
             for p in dense.parameters():
                 if p.requires_grad:
                     p -= LR * p.grad
+        update_expert_biases([dense], None)
         losses.append(total)
     return losses, {n: p.detach().clone() for n, p in dense.named_global_parameters()}
 
