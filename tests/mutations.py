@@ -49,6 +49,15 @@ MUTATIONS = [
        "tests/test_pipeline.py::test_pipeline_matches_single_process"),
     _m("vocab-padding-in-the-softmax", "vocabulary padding never changes the loss",
        "megatron_domino/tensor_parallel/cross_entropy.py", "        if end > vocab_size:", "        if False:", TP),
+    _m("replicated-dropout-per-rank", "dropout on replicated activations is the same on every TP rank",
+       "megatron_domino/models/block.py",
+       "            if self.ctx.sequence_parallel:\n                with self.ctx.tp_stream():\n"
+       "                    out = F.dropout(out, self.hidden_dropout)",
+       "            if True:\n                with self.ctx.tp_stream():\n"
+       "                    out = F.dropout(out, self.hidden_dropout)", TP),
+    _m("residual-compiled-under-dropout", "compiled training draws eager's dropout masks",
+       "megatron_domino/models/compiled.py", "        if block.hidden_dropout == 0:", "        if True:",
+       "tests/test_compile.py::test_compiled_training_equals_eager_at_tp2_with_domino_and_compiles_once"),
     # ----- NCCL's rules on gloo (docs/design/nccl-rules.md)
     _m("transfers-one-at-a-time", "every schedule deadlock-free under NCCL's rules",
        "megatron_domino/pipeline/program.py", "program.append(TransferGroup(tuple(pending_sends + recvs)))",

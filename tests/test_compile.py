@@ -1,6 +1,6 @@
 """``model.compile`` (models/compiled.py): compiled training equals eager within 1e-6 (fp32) over 6 SGD steps at
-tp 2 with Domino (a Llama; a GPT with sequence parallelism and full recompute), and compiles nothing after its
-second step; a region that cannot compile says which one it is; the dropout rule; bad settings are refused."""
+tp 2 with Domino, dropout on (a Llama; a GPT with sequence parallelism and full recompute), and compiles nothing after
+its second step; a region that cannot compile says which one it is; the dropout rule; bad settings are refused."""
 import os
 import pathlib
 from dataclasses import replace
@@ -30,7 +30,10 @@ LLAMA = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_que
                     norm="rmsnorm", activation="swiglu", bias=False, tie_embeddings=False)
 GPT = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, seq_length=32,
                   vocab_size=256, make_vocab_size_divisible_by=8, recompute="full")  # LayerNorm, GeLU, biases
-LAYOUTS = [(LLAMA, {}), (GPT, {"sequence_parallel": True})]  # the model, its parallel settings beside tp 2 + Domino
+# the model, its parallel settings beside tp 2 + Domino; dropout on, so every mask must be eager's: attention's (the
+# residual compiled), and the residual's under SP, replayed by recompute (the residual then eager)
+LAYOUTS = [(replace(LLAMA, attention_dropout=0.1), {}),
+           (replace(GPT, hidden_dropout=0.1), {"sequence_parallel": True})]
 STEPS, LR, MICRO_BATCH, GLOBAL_BATCH = 6, 0.5, 2, 4
 SGD = OptimizerConfig(name="sgd", lr=LR, momentum=0.0, weight_decay=0.0, clip_grad=0.0, zero_stage=1)
 
