@@ -100,6 +100,23 @@ MUTATIONS = [
        "        header = torch.zeros(len(values), dtype=torch.int64, device=self.device)\n"
        "        header[:] = torch.tensor(values)\n        return header",
        f"{SYNC_FREE}::test_a_shape_header_is_sent_without_a_host_sync"),
+    # ----- ZeRO's bytes and checkpoint shards
+    _m("masters-in-a-full-copy", "ZeRO-1/2 hold 12/d bytes of optimizer state per weight",
+       "megatron_domino/optim/distributed_optimizer.py",
+       "else f.data if f.data.dtype == torch.float32 else f.data.float()",
+       "else f.data if f.data.dtype == torch.float32 else "
+       "torch.cat([f.data.float(), f.data.new_zeros(f.bucket.size, dtype=torch.float32)])[:f.end - f.start]",
+       "tests/test_zero.py::test_data_parallel_matches_one_process[2]"),
+    _m("zero3-weights-kept-whole", "ZeRO-3 holds 18/d bytes of model state per weight",
+       "megatron_domino/optim/weight_store.py", "    def release(self, bucket) -> None:\n"
+       "        self.full(bucket).untyped_storage().resize_(0)",
+       "    def release(self, bucket) -> None:\n        pass",
+       "tests/test_zero3.py::test_zero3_data_parallel_matches_one_process[2]"),
+    _m("zero3-saves-a-copy", "a ZeRO-3 save writes only the rank's shard, gathering nothing",
+       "megatron_domino/training/checkpoint.py",
+       "regions(param, info, tp_rank, f.start, f.end, flat=f.data)",
+       "regions(param, info, tp_rank, f.start, f.end, flat=f.data.clone())",
+       "tests/test_zero3.py::test_zero3_data_parallel_matches_one_process[2]"),
     # ----- models against their definitions
     _m("yarn-ramp-edge", "DeepSeek-V3's logits equal transformers'", "megatron_domino/models/rope.py",
        "high = min(math.ceil(dimension_of(beta_slow)), dim - 1)",
