@@ -30,6 +30,7 @@ SCHEDULES = "tests/test_pipeline_schedules.py"
 TOOL = "tests/test_rehearsal.py::test_the_tool_writes_every_role_with_the_documented_fields"
 SYNC_FREE = "tests/test_sync_free.py"
 MTP_REFERENCE = "tests/test_mtp_reference.py"
+RESUME = "tests/test_resume.py::test_a_resume_is_bitwise"
 
 MUTATIONS = [
     # ----- layout parity against one process (docs/design/testing.md, docs/domino.md)
@@ -100,6 +101,15 @@ MUTATIONS = [
        "        header = torch.zeros(len(values), dtype=torch.int64, device=self.device)\n"
        "        header[:] = torch.tensor(values)\n        return header",
        f"{SYNC_FREE}::test_a_shape_header_is_sent_without_a_host_sync"),
+    # ----- bitwise resume
+    _m("tp-rng-stream-not-restored", "a resume is bitwise with dropout", "megatron_domino/parallel/random.py",
+       "        self.set_states(state[\"tracker\"])", "        pass", f"{RESUME}[tp2-dp2-domino-zero2]"),
+    _m("default-rng-not-restored", "a resume is bitwise with dropout", "megatron_domino/parallel/random.py",
+       "        torch.set_rng_state(state[\"cpu\"])", "        pass", f"{RESUME}[pp2-dp2-interleaved-fp16]"),
+    _m("loss-scaler-growth-not-restored", "a resume is bitwise under fp16's loss scaler",
+       "megatron_domino/optim/loss_scaler.py",
+       "        self.growth_tracker = int(_entry(state, \"growth_tracker\", name))", "        pass",
+       f"{RESUME}[pp2-dp2-interleaved-fp16]"),
     # ----- ZeRO's bytes and checkpoint shards
     _m("masters-in-a-full-copy", "ZeRO-1/2 hold 12/d bytes of optimizer state per weight",
        "megatron_domino/optim/distributed_optimizer.py",
