@@ -127,6 +127,12 @@ MUTATIONS = [
        "regions(param, info, tp_rank, f.start, f.end, flat=f.data)",
        "regions(param, info, tp_rank, f.start, f.end, flat=f.data.clone())",
        "tests/test_zero3.py::test_zero3_data_parallel_matches_one_process[2]"),
+    _m("unwritable-folder-found-late", "an unwritable checkpoint folder is refused before step 1",
+       "megatron_domino/training/checkpoint_dir.py", "    except OSError as problem:", "    except ValueError as problem:",
+       "tests/test_checkpoint_disk.py::test_a_read_only_checkpoint_dir_fails_before_step_1"),
+    _m("free-space-unchecked", "a disk too small for one checkpoint warns or fails at start-up",
+       "megatron_domino/training/checkpoint_dir.py", "    if free >= need:", "    if True:",
+       "tests/test_checkpoint_disk.py::test_a_disk_too_small_for_one_checkpoint_warns_or_fails"),
     # ----- models against their definitions
     _m("yarn-ramp-edge", "DeepSeek-V3's logits equal transformers'", "megatron_domino/models/rope.py",
        "high = min(math.ceil(dimension_of(beta_slow)), dim - 1)",
