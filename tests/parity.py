@@ -4,11 +4,13 @@ import torch
 from megatron_domino.config import Config
 from megatron_domino.fp8.state import end_step as fp8_end_step
 from megatron_domino.models import LanguageModel, initialize_weights
+from megatron_domino.models.expert_bias import update_expert_biases
 from megatron_domino.models.full_state import gather_full
 from megatron_domino.models.language_model import WORD_EMBEDDINGS
 from megatron_domino.models.logit_max import trackers as logit_trackers
 from megatron_domino.optim.distributed_optimizer import DistributedOptimizer
 from megatron_domino.parallel import ParallelState, Topology
+from megatron_domino.parallel.random import RNGTracker
 from megatron_domino.models.stage_chunks import build_chunks
 from megatron_domino.pipeline.engine import PipelineEngine
 from megatron_domino.pipeline.finalize_grads import finalize_grads
@@ -44,10 +46,13 @@ def full_weights(chunks, tp_group) -> dict[str, torch.Tensor]:
 def assert_same_run(where, losses, weights, ref_losses, ref_weights, tol=TOL, weight_tol=None) -> dict[str, tuple]:
     """As many steps as the reference, every step's loss within ``tol`` and every weight of this rank within
     ``weight_tol`` (default ``tol``) relative of the reference's; a weight may only have more (zero) vocabulary
-    padding rows than the reference's. Returns the weights compared, {name: shape}, for ``assert_covered``."""
+    padding rows than the reference's; aux-loss-free expert biases must have moved. Returns the weights compared,
+    {name: shape}, for ``assert_covered``."""
     assert len(losses) == len(ref_losses) > 0, (where, f"{len(losses)} steps, the reference ran {len(ref_losses)}")
     for step, (got, want) in enumerate(zip(losses, ref_losses)):
         assert abs(got - want) <= tol * abs(want), (where, step, got, want)
+    biases = [weight for name, weight in ref_weights.items() if name.endswith("router.expert_bias")]
+    assert not biases or any(bias.any() for bias in biases), (where, "the expert biases never moved")
     for name, weight in weights.items():
         expected = ref_weights[name]
         if weight.shape != expected.shape:  # the layout's vocabulary padding: extra rows, never trained
@@ -70,11 +75,13 @@ def assert_covered(where, compared_per_rank: list[dict], ref_names) -> None:
 def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, check_engine=None, norms=None,
                 counters=None):
     """SGD steps of ``cfg``'s layout through the pipeline engine, ZeRO buffers and finalize_grads, as the trainer
-    runs them: ``steps_of_microbatches(state)`` yields this rank's micro-batches per step. Returns the losses and
-    the full weights (and appends each step's gradient norm to ``norms``, the optimizer to ``counters``); the
-    layout's groups are destroyed afterwards."""
+    runs them, then the expert biases' update (dropout drawing from streams seeded as the trainer's):
+    ``steps_of_microbatches(state)`` yields this rank's micro-batches per step. Returns the losses and the full
+    weights (and appends each step's gradient norm to ``norms``, the optimizer to ``counters``); the layout's groups
+    are destroyed afterwards."""
     ps = ParallelState(Topology.from_config(cfg.parallel, world_size), strict=True)
-    chunks = build_chunks(cfg, ps, chunk_places(cfg, ps.pp_rank), init_seed=3)
+    rng = RNGTracker.seeded(cfg.train.seed, ps.tp_rank, ps.pp_rank)  # dropout's streams, as the trainer seeds them
+    chunks = build_chunks(cfg, ps, chunk_places(cfg, ps.pp_rank), init_seed=3, rng=rng)
     optimizer = DistributedOptimizer.for_layout(chunks, optimizer_config, ps, bucket_alone=(WORD_EMBEDDINGS,))
     if optimizer_config.muon_qk_clip is not None:
         optimizer.clip_logits(logit_trackers(chunks))
@@ -91,6 +98,7 @@ def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, ch
         losses.append(engine.forward_backward(micro).item())
         finalize_grads(chunks, ps, optimizer)
         _, norm = optimizer.step(lr)
+        update_expert_biases(chunks, ps.dp_cp_group)
         fp8_end_step(chunks, (ps.tp_group, ps.dp_cp_group))
         if norms is not None:
             norms.append(norm.item())
@@ -101,11 +109,11 @@ def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, ch
 
 
 def reference_steps(model_config, batches, lr, micro_batch=None, optimizer=None, counters=None):
-    """One process, the whole batch, plain SGD over ``batches`` (dicts with a loss_mask): the loss of every step
-    and the final weights. ``micro_batch``: forward in micro-batches of that many samples, the MoE auxiliary
-    losses of each over its tokens (or, in the global scope, with the step's earlier ones) and averaged over
-    them, as the engine weighs them. ``optimizer`` (an OptimizerConfig): that optimizer on one process instead of
-    SGD (its ``DistributedOptimizer``, appended to ``counters`` when given)."""
+    """One process, the whole batch, plain SGD over ``batches`` (dicts with a loss_mask), then the expert biases'
+    update: the loss of every step and the final weights. ``micro_batch``: forward in micro-batches of that many
+    samples, the MoE auxiliary losses of each over its tokens (or, in the global scope, with the step's earlier ones)
+    and averaged over them, as the engine weighs them. ``optimizer`` (an OptimizerConfig): that optimizer on one
+    process instead of SGD (its ``DistributedOptimizer``, appended to ``counters`` when given)."""
     dense = LanguageModel(model_config)
     initialize_weights(dense, seed=3)
     dopt = DistributedOptimizer([dense], optimizer, dp_group=None, tp_rank=0, norm_groups=[]) if optimizer else None
@@ -139,6 +147,7 @@ def reference_steps(model_config, batches, lr, micro_batch=None, optimizer=None,
             for p in dense.parameters() if dopt is None else ():
                 if p.requires_grad:  # not an aux-loss-free expert bias
                     p -= lr * p.grad
+        update_expert_biases([dense], None)  # moved by the step's loads, as after every optimizer step
         fp8_end_step([dense])
         losses.append(total)
     return losses, {n: p.detach().clone() for n, p in dense.named_global_parameters()}

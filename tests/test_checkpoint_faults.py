@@ -1,15 +1,13 @@
 """Checkpoint folders and files met the way a user meets them: a second run into a busy folder, a fresh start over
-published checkpoints, a stale lock and an interrupted save's leftovers, a read-only or full disk, damaged
-metadata and files, and a launch that cannot start. Each asserts the status and the words of the message, and
-that nothing already published is lost."""
-import contextlib
+published checkpoints, a stale lock and an interrupted save's leftovers, damaged metadata and files, and a launch
+that cannot start (a read-only or full disk: tests/test_checkpoint_disk.py). Each asserts the status and the words
+of the message, and that nothing already published is lost."""
 import json
 import os
 import pickle
 import shutil
 import signal
 import subprocess
-import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -24,7 +22,7 @@ from megatron_domino.parallel.launch import device_for
 from megatron_domino.parallel.random import RNGTracker
 from megatron_domino.parallel.store_barrier import StoreBarriers
 from megatron_domino.training.checkpoint import Checkpointer
-from megatron_domino.training.checkpoint_dir import LOCK, prepare_run_dirs
+from megatron_domino.training.checkpoint_dir import LOCK
 from tests.test_runtime_faults import report
 from tests.training_runs import REPO, TINY, command, environment, kill_group, metrics, start, train, wait_for_step
 
@@ -116,50 +114,6 @@ def test_a_stale_lock_is_taken_over_and_leftovers_are_removed(root, tmp_path):
     after = snapshot(root)
     assert all(after[name] == data for name, data in before.items() if not name.startswith("latest"))
     assert fmt.resolve_load_path("auto", root).endswith(fmt.step_dir_name(4))
-
-
-@contextlib.contextmanager
-def mounted(*args: str):
-    """``mount *args`` for the block (the last argument is the mount point); skips where mounting is refused."""
-    if subprocess.run(["mount", *args], capture_output=True).returncode != 0:
-        pytest.skip("mount is not permitted here")
-    try:
-        yield args[-1]
-    finally:
-        subprocess.run(["umount", args[-1]], capture_output=True)
-
-
-@pytest.mark.slow
-def test_a_read_only_checkpoint_dir_fails_before_step_1(root, tmp_path):
-    target = str(tmp_path / "read-only")
-    os.makedirs(target)
-    before = snapshot(root)
-    with mounted("--bind", root, target):
-        if subprocess.run(["mount", "-o", "remount,bind,ro", target], capture_output=True).returncode:
-            pytest.skip("a read-only remount is not permitted here")
-        result = run_cli(str(tmp_path / "run"), [f"checkpoint.dir={target}", "checkpoint.load=auto"])
-    assert_one_block(result, f"checkpoint.dir = '{target}' is not writable (Read-only file system",
-                     "found before step 1", "Fix: make it writable")
-    assert metrics(str(tmp_path / "run")) == []  # not one step computed for a checkpoint that cannot be written
-    assert snapshot(root) == before
-
-
-@pytest.mark.slow
-def test_a_disk_too_small_for_one_checkpoint_warns_or_fails(tmp_path):
-    target = str(tmp_path / "small")
-    os.makedirs(target)
-    with mounted("-t", "tmpfs", "-o", "size=1m", "tmpfs", target):
-        result = run_cli(str(tmp_path / "run"), [f"checkpoint.dir={target}", "checkpoint.free_space=fail"])
-        assert_one_block(result, f"checkpoint.dir = '{target}' has ", "GiB free, less than one checkpoint",
-                         "Fix: free space, or point checkpoint.dir at a larger disk")
-        assert metrics(str(tmp_path / "run")) == []
-        cfg = load_config(os.path.join(REPO, TINY["gpt"]), [f"checkpoint.dir={target}", f"log.dir={tmp_path}/log"])
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            lock = prepare_run_dirs(cfg, rank=0, key="test/run dirs").lock  # checkpoint.free_space=warn, the default
-        lock.release()
-        assert any("less than one checkpoint" in str(w.message) for w in caught)
-        assert os.listdir(target) == []  # probe and lock cleaned up
 
 
 def _truncate(path: str, keep: int) -> None:

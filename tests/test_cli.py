@@ -12,12 +12,36 @@ def _run(*args):
                           capture_output=True, text=True, timeout=120)
 
 
-def test_bad_config_exits_2_naming_key_value_rule_and_fix():
-    result = _run("--config", "configs/tiny/gpt.yaml", "parallel.tp=3")
-    assert result.returncode == 2
-    assert "parallel.tp" in result.stderr and "Fix:" in result.stderr
-    typo = _run("--config", "configs/tiny/gpt.yaml", "train.step=3")
-    assert typo.returncode == 2 and "did you mean 'steps'" in typo.stderr
+# The entry point with a hook on init_process_group: a group started (even if destroyed again) prints STARTED.
+_HOOKED = """
+import sys
+import torch.distributed as dist
+from megatron_domino.training import cli
+
+def started(*args, **kwargs):
+    print("STARTED", flush=True)
+    raise SystemExit(7)
+
+dist.init_process_group = started
+for argv in sys.argv[1:]:
+    print("STATUS", cli.main(argv.split()), flush=True)
+"""
+
+
+def test_bad_configs_are_refused_before_any_process_group_starts():
+    """pretrain_gpt.py's main with a bad layout, a typo, a bad MoE setting and --eval-only without a checkpoint:
+    each exits 2 naming the key, the rule and the fix, and no process group was started for it."""
+    cases = ["parallel.tp=3", "train.step=3", "model.num_experts=4 model.moe_topk=5", "--eval-only"]
+    done = subprocess.run([sys.executable, "-c", _HOOKED,
+                           *[f"--config configs/tiny/gpt.yaml data.mock=true {case}" for case in cases]],
+                          cwd=REPO, env=environment(), capture_output=True, text=True, timeout=120, check=False)
+    assert "STARTED" not in done.stdout and done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.split() == ["STATUS", "2"] * len(cases), done.stdout
+    errors = done.stderr.split("config error: ")[1:]
+    assert len(errors) == len(cases), done.stderr
+    for error, key in zip(errors, ("parallel.tp", "train.step", "model.moe_topk", "checkpoint.load")):
+        assert key in error and "Fix:" in error, (key, error)
+    assert "did you mean 'steps'" in errors[1]
 
 
 @pytest.mark.slow
@@ -44,8 +68,3 @@ def test_dry_run_prints_rank_map_without_a_process_group():
     result = _run("--config", "configs/gpt/175b.yaml", "--dry-run", "--world-size", "1024")
     assert result.returncode == 0, result.stderr
     assert "world 1024 = tp 8 x cp 1 x pp 16 x dp 8" in result.stdout
-
-
-def test_eval_only_without_a_checkpoint_is_refused():
-    result = _run("--config", "configs/tiny/gpt.yaml", "--eval-only", "data.mock=true")
-    assert result.returncode == 2 and "checkpoint.load" in result.stderr

@@ -1,6 +1,8 @@
 """``model.compile`` (models/compiled.py): compiled training equals eager within 1e-6 (fp32) over 6 SGD steps at
-tp 2 with Domino (a Llama; a GPT with sequence parallelism and full recompute), and compiles nothing after its
-second step; a region that cannot compile says which one it is; the dropout rule; bad settings are refused."""
+tp 2 with Domino, dropout on (a Llama; a GPT with sequence parallelism and full recompute), and compiles nothing after
+its second step; a region that cannot compile says which one it is; the dropout rule; bad settings are refused."""
+import os
+import pathlib
 from dataclasses import replace
 from unittest import mock
 
@@ -28,7 +30,10 @@ LLAMA = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_que
                     norm="rmsnorm", activation="swiglu", bias=False, tie_embeddings=False)
 GPT = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, seq_length=32,
                   vocab_size=256, make_vocab_size_divisible_by=8, recompute="full")  # LayerNorm, GeLU, biases
-LAYOUTS = [(LLAMA, {}), (GPT, {"sequence_parallel": True})]  # the model, its parallel settings beside tp 2 + Domino
+# the model, its parallel settings beside tp 2 + Domino; dropout on, so every mask must be eager's: attention's (the
+# residual compiled), and the residual's under SP, replayed by recompute (the residual then eager)
+LAYOUTS = [(replace(LLAMA, attention_dropout=0.1), {}),
+           (replace(GPT, hidden_dropout=0.1), {"sequence_parallel": True})]
 STEPS, LR, MICRO_BATCH, GLOBAL_BATCH = 6, 0.5, 2, 4
 SGD = OptimizerConfig(name="sgd", lr=LR, momentum=0.0, weight_decay=0.0, clip_grad=0.0, zero_stage=1)
 
@@ -74,10 +79,10 @@ def _compiled_against_eager(rank, world_size, cache_dir):
 
 
 @pytest.mark.slow
-def test_compiled_training_equals_eager_at_tp2_with_domino_and_compiles_once(tmp_path):
-    """One spawn of 2 ranks: per layout eager, then compiled (into a fresh inductor cache), from the same seeds and
-    batches."""
-    cache = tmp_path / "inductor"
+def test_compiled_training_equals_eager_at_tp2_with_domino_and_compiles_once():
+    """One spawn of 2 ranks: per layout eager, then compiled (into the run's inductor cache, tests/conftest.py), from
+    the same seeds and batches."""
+    cache = pathlib.Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     for counts in run_ranks(_compiled_against_eager, 2, str(cache), timeout=150):
         for (before, after_2, after_6), layout in zip(counts, LAYOUTS):
             assert after_2 > before and after_6 == after_2, (layout, "graphs before, after steps 2 and 6:",
@@ -127,19 +132,20 @@ def _compiled_fp8_against_eager(rank, world_size, cache_dir):
 
 
 @pytest.mark.slow
-def test_compiled_fp8_training_equals_eager_fp8_and_compiles_once(tmp_path):
+def test_compiled_fp8_training_equals_eager_fp8_and_compiles_once():
     """FP8 with model.compile at tp 2 with Domino (fp32): it used to stop in its first backward, when the cast
     reached dynamo's recompile limit (a Parameter, requires_grad, two formats, transposed views and offsets)."""
-    for counts, kernels in run_ranks(_compiled_fp8_against_eager, 2, str(tmp_path / "inductor"), timeout=300):
+    cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    for counts, kernels in run_ranks(_compiled_fp8_against_eager, 2, cache, timeout=300):
         for recipe, before, after_2, after_6 in counts:
             assert after_2 > before and after_6 == after_2, (recipe, before, after_2, after_6)
         assert max(kernels.values()) <= 4, f"an FP8 kernel near dynamo's limit of 8 graphs: {kernels}"
 
 
 @pytest.mark.slow
-def test_compiled_dualpipev_with_f_and_b_turns_equals_eager_and_compiles_once(tmp_path):
-    for before, after_2, after_6 in run_ranks(_compiled_dualpipev_against_eager, 4, str(tmp_path / "inductor"),
-                                              timeout=300):
+def test_compiled_dualpipev_with_f_and_b_turns_equals_eager_and_compiles_once():
+    cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    for before, after_2, after_6 in run_ranks(_compiled_dualpipev_against_eager, 4, cache, timeout=300):
         assert after_2 > before and after_6 == after_2, (before, after_2, after_6)
 
 

@@ -116,6 +116,8 @@ INVALID = [  # (overrides, world size, offending key)
     (["parallel.tp=2", "parallel.expert_tp=1"], 2, "parallel.expert_tp"),  # nor experts to keep whole
     (["model.num_experts=4", "log.sync_debug=true"], 1, "log.sync_debug"),  # routing reads counts on the host
     (["train.fp16=true", "log.sync_debug=true"], 1, "log.sync_debug"),     # the loss scaler reads its flag
+    (["parallel.pp=2", "parallel.variable_seq_lengths=true", "log.sync_debug=true"], 2,
+     "log.sync_debug"),  # a pipeline receive reads its shape
     (["data.mock_document_tokens=0"], 1, "data.mock_document_tokens"),
     (["parallel.pp=2", "model.num_layers=4", "parallel.pipeline_layout=[1,3]",
       "parallel.pipeline_partition=parameters"], 2, "parallel.pipeline_layout"),  # the layout and the balancer both

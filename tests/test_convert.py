@@ -26,6 +26,7 @@ from megatron_domino.models import LanguageModel, full_state_dict
 from megatron_domino.parallel.random import RNGTracker
 from megatron_domino.parallel.store_barrier import StoreBarriers
 from megatron_domino.training.checkpoint import Checkpointer
+from tests.hf_sharp import assert_logits_close, sharpen
 from tests.test_convert_config import LLAMA3_ROPE
 from tests.tools import load_tool
 
@@ -39,7 +40,7 @@ def _gpt2():
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=300, n_positions=32, n_embd=64, n_layer=4, n_head=4,
                                      activation_function="gelu_new", bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(config).eval()
+    return sharpen(transformers.GPT2LMHeadModel(config).eval(), seed=10)
 
 
 def _llama(tied=False, bias=False):
@@ -49,13 +50,7 @@ def _llama(tied=False, bias=False):
         num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-5, tie_word_embeddings=tied,
         attention_bias=bias, mlp_bias=bias, bos_token_id=0, eos_token_id=0,
         rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE})
-    model = transformers.LlamaForCausalLM(config).eval()
-    if bias:  # HF starts biases at zero; random ones make the test see where each lands
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith(".bias"):
-                    param.normal_()
-    return model
+    return sharpen(transformers.LlamaForCausalLM(config).eval(), seed=11)  # biases too: HF starts them at zero
 
 
 def _mixtral(**overrides):
@@ -65,16 +60,7 @@ def _mixtral(**overrides):
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16,
         router_aux_loss_coef=0.02, bos_token_id=0, eos_token_id=0,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **overrides)
-    return transformers.MixtralForCausalLM(config).eval()
-
-
-def _random_biases(model):
-    """HF starts biases at zero (and norms at one); random ones make the test see where each lands."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith((".bias", "q_norm.weight", "k_norm.weight")):
-                param.normal_()
-    return model
+    return sharpen(transformers.MixtralForCausalLM(config).eval(), seed=12)
 
 
 def _qwen(kind: str):
@@ -86,14 +72,14 @@ def _qwen(kind: str):
                   rope_parameters={"rope_type": "default", "rope_theta": 1e6}, sliding_window=None)
     if kind == "qwen2":
         config = transformers.Qwen2Config(**common, tie_word_embeddings=True)
-        return _random_biases(transformers.Qwen2ForCausalLM(config)).eval()
+        return sharpen(transformers.Qwen2ForCausalLM(config), seed=13).eval()
     if kind == "qwen3":
         config = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
-        return _random_biases(transformers.Qwen3ForCausalLM(config)).eval()
+        return sharpen(transformers.Qwen3ForCausalLM(config), seed=14).eval()
     config = transformers.Qwen3MoeConfig(**common, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=24, norm_topk_prob=False, mlp_only_layers=[1],
                                          router_aux_loss_coef=0.02, tie_word_embeddings=False)
-    return _random_biases(transformers.Qwen3MoeForCausalLM(config)).eval()
+    return sharpen(transformers.Qwen3MoeForCausalLM(config), seed=15).eval()
 
 
 QWEN = ("qwen2", "qwen3", "qwen3_moe")
@@ -192,7 +178,7 @@ def test_round_trip_is_bit_exact_and_logits_match(hf_models, tmp_path, name):
     with torch.no_grad():
         expected = hf_model(tokens).logits
         ours = model(None, {"tokens": tokens}, return_logits=True)
-    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
+    assert_logits_close(ours, expected)
 
     back = str(tmp_path / "back")
     native_to_hf(native, back, max_shard_size="60KB", quiet=True)

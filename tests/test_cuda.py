@@ -227,13 +227,14 @@ def test_fp8_experts_run_one_grouped_gemm_on_hopper_and_equal_the_loop():
 def test_a_killed_worker_restarts_under_torchrun_on_nccl_and_ends_bitwise(tmp_path):
     """torchrun --max-restarts=1 on NCCL (world size 1: one GPU cannot hold two NCCL ranks): the worker killed at
     step 5 of 12 is restarted, its attempt starts NCCL again in a store namespace of its own, resumes from
-    ``latest`` by itself and ends bit for bit where the uninterrupted run ends."""
+    ``latest`` by itself and ends bit for bit where the uninterrupted run ends. Attention runs the math kernel: flash's
+    backward is not deterministic, which would make even two uninterrupted runs differ in the last bits."""
     import signal
 
     from megatron_domino.parallel.launch import free_port
     from tests.test_restart import assert_equal_to, finish, torchrun_job
     from tests.training_runs import kill_group, wait_for_step, worker_pids
-    overrides = [*CUDA, "parallel.pp=1", "model.attention_backend=flash"]
+    overrides = [*CUDA, "parallel.pp=1", "model.attention_backend=math"]
     reference = str(tmp_path / "reference")
     status, text = finish(torchrun_job(reference, 1, free_port(), reference + ".txt", 1, overrides), reference + ".txt")
     assert status == 0, text[-4000:]

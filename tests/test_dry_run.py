@@ -56,7 +56,6 @@ def test_dry_run_of_a_1024_gpu_layout_on_one_cpu_process(no_collectives):
     assert "embedding (first + last stage): 64 groups of 2" in text
     assert "1f1b, 192 micro-batches of 1" in text and "16 on pipeline rank 0" in text
     assert re.search(r"worst pipeline rank 0: .* GiB -> fits", text)
-    assert not dist.is_initialized()
 
 
 def test_small_world_prints_every_rank_and_memory_in_mib(no_collectives):

@@ -1,4 +1,5 @@
-"""Multi-head latent attention (MLA) and DeepSeek-V3: logits equal transformers' DeepseekV3ForCausalLM (fp32, 1e-4)
+"""Multi-head latent attention (MLA) and DeepSeek-V3: logits equal transformers' DeepseekV3ForCausalLM (fp32, sharp
+weights, 6e-6 of the largest: tests/hf_sharp.py)
 through tools/convert_checkpoint.py, with YaRN past the original context and without a query latent; a round trip
 is bit-exact; parameters count as HF's; a tiny DeepSeek-V3 (MLA, YaRN, sigmoid routing with the expert bias, groups,
 routed scaling, a dense first layer, a shared expert, the micro-batch and sequence-wise balance losses) trains like
@@ -18,6 +19,7 @@ from megatron_domino.models import LanguageModel
 from megatron_domino.models.counters import count_parameters
 from megatron_domino.validation import validate_config
 from tests.harness import run_ranks
+from tests.hf_sharp import assert_logits_close, sharpen
 from tests.test_context_parallel import _layout as cp_layout
 from tests.test_convert import _hf_tensors, _load_native, cli
 from tests.test_expert_parallel import _config as ep_config, _run as ep_run
@@ -41,7 +43,8 @@ DEEPSEEK_V3 = replace(MLA, num_experts=8, moe_topk=2, moe_ffn_hidden_size=16, mo
 
 def _hf_deepseek(q_lora_rank=16, yarn=True):
     """A tiny random DeepseekV3ForCausalLM: 3 layers (the first dense), 8 experts in 4 groups, 2 of which a token may
-    use, a shared expert, random norms and expert bias (HF starts them at 1 and 0)."""
+    use, a shared expert, its weights sharpened (tests/hf_sharp.py), the norms and expert bias too (HF starts them
+    at 1 and 0)."""
     torch.manual_seed(5)
     rope = ({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0} if yarn
@@ -52,15 +55,7 @@ def _hf_deepseek(q_lora_rank=16, yarn=True):
         routed_scaling_factor=2.5, kv_lora_rank=12, q_lora_rank=q_lora_rank, qk_rope_head_dim=8, v_head_dim=12,
         qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
         max_position_embeddings=32, rope_parameters=rope, bos_token_id=0, eos_token_id=0)
-    model = transformers.DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.1)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.1)
-    return model
+    return sharpen(transformers.DeepseekV3ForCausalLM(config).eval(), seed=16)
 
 
 @pytest.mark.quick
@@ -78,7 +73,7 @@ def test_deepseek_v3_logits_match_transformers_and_round_trip_bit_exact(tmp_path
     tokens = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         expected = hf_model(tokens).logits
-        torch.testing.assert_close(model(None, {"tokens": tokens}, return_logits=True), expected, rtol=0, atol=1e-4)
+        assert_logits_close(model(None, {"tokens": tokens}, return_logits=True), expected)
     back = str(tmp_path / "back")
     native_to_hf(native, back, quiet=True)
     original, exported = _hf_tensors(hf_dir), _hf_tensors(back)

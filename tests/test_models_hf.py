@@ -1,10 +1,12 @@
-"""The tiny GPT and Llama against HF transformers with the same weights (fp32, random init, no download)."""
+"""The tiny GPT and Llama against HF transformers with the same weights (fp32, sharpened random weights:
+tests/hf_sharp.py; no download)."""
 import pytest
 import torch
 
 from megatron_domino.config import ModelConfig
 from megatron_domino.convert.hf_mapping import hf_to_native, native_to_hf
 from megatron_domino.models import LanguageModel, full_state_dict, load_full_state_dict
+from tests.hf_sharp import assert_logits_close, sharpen
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,7 +41,7 @@ def _hf_llama(cfg):
 @pytest.mark.parametrize("cfg, build, kind", [(GPT, _hf_gpt2, "gpt2"), (LLAMA, _hf_llama, "llama")], ids=["gpt2", "llama"])
 def test_logits_match_transformers(cfg, build, kind):
     torch.manual_seed(0)
-    hf = build(cfg).eval()
+    hf = sharpen(build(cfg).eval(), seed=1)
     native = hf_to_native(hf.state_dict(), cfg, kind)
     model = LanguageModel(cfg).eval()
     load_full_state_dict(model, native)
@@ -47,8 +49,7 @@ def test_logits_match_transformers(cfg, build, kind):
     with torch.no_grad():
         expected = hf(tokens).logits
         ours = model(None, {"tokens": tokens}, return_logits=True)
-    assert ours.shape == expected.shape
-    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
+    assert_logits_close(ours, expected)
     back = native_to_hf(full_state_dict(model), cfg, kind)
     for name, tensor in hf.state_dict().items():
         if name in back:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from megatron_domino.config import ModelConfig
 from megatron_domino.models import LanguageModel, initialize_weights
+from megatron_domino.models.expert_bias import update_expert_biases
 from megatron_domino.models.counters import count_parameters, flops_per_token
 from megatron_domino.models.moe import MoE
 from megatron_domino.models.router import Selection, route, within_capacity
@@ -235,6 +236,7 @@ def _reference(model, group_size, batches=None, norms=None):
         with torch.no_grad():
             for p in trained:
                 p -= LR * p.grad
+        update_expert_biases([dense], None)
         losses.append(total)
     return losses, {n: p.detach().clone() for n, p in dense.named_global_parameters()}
 

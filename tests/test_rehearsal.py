@@ -132,9 +132,21 @@ LAYOUTS = [  # (tiny config, world size, overrides): the parity tests' layouts
                                     "optimizer.moments_dtype=bf16", "train.bf16=true"]),
     ("configs/tiny/gpt.yaml", 4, ["parallel.pp=2", "optimizer.name=muon", "optimizer.muon_qk_clip=100",
                                   "optimizer.zero_stage=3"]),
+    # shapes sent ahead of each transfer (the receive's read by design), the host stepping offloaded masters, compile
+    ("configs/tiny/gpt.yaml", 4, ["parallel.pp=2", "parallel.variable_seq_lengths=true", "optimizer.offload=cpu",
+                                  "model.compile=true"]),
+    # delayed FP8's amax histories and balanced attention's sample order under the ring
+    ("configs/tiny/llama.yaml", 4, ["parallel.cp=2", "data.balance_attention=true", "data.reset_attention_mask=true",
+                                    "data.reset_position_ids=true", "data.mock_document_tokens=16",
+                                    "model.fp8=delayed", "train.bf16=true"]),
+    # blockwise FP8 experts, the step's balance loss, capacity kept by probability (no bincount)
+    ("configs/tiny/mixtral.yaml", 4, ["parallel.ep=2", "model.fp8=blockwise", "model.moe_aux_loss_scope=global",
+                                      "model.moe_capacity_factor=1.0", "model.moe_token_drop_policy=probs",
+                                      "train.bf16=true"]),
 ]
 BY_DESIGN = {"train.fp16=true": "optim/loss_scaler.py", "train.on_bad_step=skip": "training/guard.py",
-             "parallel.ep=2": "models/expert_dispatch.py"}
+             "parallel.ep=2": "models/expert_dispatch.py", "parallel.variable_seq_lengths=true": "pipeline/p2p.py",
+             "optimizer.offload=cpu": "optim/host_step.py"}
 
 
 @pytest.mark.slow

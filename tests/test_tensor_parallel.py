@@ -1,8 +1,11 @@
-"""TP layers and Domino against a dense single-process reference, on 2 and 4 gloo ranks (fp32).
+"""TP layers and Domino against a dense single-process reference, on 2 and 4 gloo ranks (fp32); hidden dropout on,
+at tp 2 without SP, against one process drawing from the same seed.
 
 Each spawn runs many checks. The reference is computed on every rank with group=None (no
 communication), from the same seed, so it is exactly what one device would compute.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,6 +19,7 @@ from megatron_domino.models.stage_chunks import build_model
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.optim.grad_norm import model_grad_norm
 from megatron_domino.parallel import comm
+from megatron_domino.parallel.random import RNGTracker
 from megatron_domino.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, LayerContext, VocabParallelEmbedding,
                                              shard, sharding_table, vocab_parallel_cross_entropy)
 from megatron_domino.tensor_parallel.sequence_parallel import sum_partial_grads_over_tp
@@ -171,7 +175,7 @@ def _train_steps(model, batches, steps=3, group=None):
     for step in range(steps):
         opt.zero_grad()
         batch = batches[step]
-        loss = model(None, batch).mean()
+        loss = (model(None, batch) * batch["weights"]).mean()  # weighed per token: the rows' order counts
         loss.backward()
         # under SP these saw only this rank's slice of the sequence
         sum_partial_grads_over_tp([model], group, lambda param: param.grad)
@@ -186,8 +190,8 @@ def check_domino_stack(rank, tp, group):
         for micro_batch in (1, 2, 3):
             g = torch.Generator().manual_seed(10 + micro_batch)
             batches = [{"tokens": torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_length), generator=g),
-                        "labels": torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_length), generator=g)}
-                       for _ in range(3)]
+                        "labels": torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_length), generator=g),
+                        "weights": torch.rand(micro_batch, cfg.seq_length, generator=g)} for _ in range(3)]
             dense = LanguageModel(cfg)
             initialize_weights(dense, seed=7)
             reference = _train_steps(dense, batches)
@@ -195,19 +199,44 @@ def check_domino_stack(rank, tp, group):
                     (p, True) for p in PLANS.items() if p[0] in ("sync", "row-inter", "2d")]:
                 model = build_model(cfg, LayerContext(group, sequence_parallel), plan)
                 initialize_weights(model, seed=7, tp_rank=rank, tp=tp)
-                params = model.sharding()
-                for step, ((loss, grads, values), (ref_loss, ref_grads, ref_values)) in enumerate(
-                        zip(_train_steps(model, batches, group=group), reference)):
-                    what = f"{cfg.activation} {name} SP {sequence_parallel} micro batch {micro_batch} step {step}"
-                    assert_rel(loss, ref_loss, f"{what} loss")
-                    for pname, grad in grads.items():
-                        expected = _shard_of(ref_grads[pname], params[pname], rank, tp)
-                        assert_rel(grad, expected, f"{what} grad {pname}")
-                        assert_rel(values[pname], _shard_of(ref_values[pname], params[pname], rank, tp),
-                                   f"{what} param {pname}")
-                norm = model_grad_norm(model, rank, [group])
-                ref_norm = model_grad_norm(dense, 0, [])
-                assert abs(norm - ref_norm) <= TOL * ref_norm, (name, norm, ref_norm)
+                what = f"{cfg.activation} {name} SP {sequence_parallel} micro batch {micro_batch}"
+                _assert_same_steps(what, model, dense, _train_steps(model, batches, group=group), reference, rank,
+                                   tp, group)
+
+
+def _assert_same_steps(what, model, dense, history, reference, rank, tp, group):
+    """Every step's loss, and this rank's shard of every gradient and weight, within TOL of one process's."""
+    params = model.sharding()
+    for step, ((loss, grads, values), (ref_loss, ref_grads, ref_values)) in enumerate(zip(history, reference)):
+        assert_rel(loss, ref_loss, f"{what} step {step} loss")
+        for pname, grad in grads.items():
+            assert_rel(grad, _shard_of(ref_grads[pname], params[pname], rank, tp), f"{what} step {step} grad {pname}")
+            assert_rel(values[pname], _shard_of(ref_values[pname], params[pname], rank, tp),
+                       f"{what} step {step} param {pname}")
+    norm, ref_norm = model_grad_norm(model, rank, [group]), model_grad_norm(dense, 0, [])
+    assert abs(norm - ref_norm) <= TOL * ref_norm, (what, norm, ref_norm)
+
+
+def check_hidden_dropout(rank, tp, group):
+    """Hidden dropout on replicated activations draws from the default stream, the same on every TP rank (under SP
+    each rank's slice draws from its own TP stream): TP with it on equals one process with the same seed."""
+    for cfg in (replace(TINY, hidden_dropout=0.2), replace(TINY_LLAMA, hidden_dropout=0.2)):
+        g = torch.Generator().manual_seed(21)
+        batches = [{"tokens": torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g),
+                    "labels": torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=g),
+                    "weights": torch.rand(2, cfg.seq_length, generator=g)} for _ in range(3)]
+        runs = []
+        for ctx in (LayerContext(rng=RNGTracker.seeded(5)), LayerContext(group, rng=RNGTracker.seeded(5, rank))):
+            model = build_model(cfg, ctx, COMPARED_PLANS["sync"])
+            initialize_weights(model, seed=7, tp_rank=ctx.rank, tp=ctx.size)
+            torch.manual_seed(5)  # both draw their masks from here
+            runs.append((model, _train_steps(model, batches, group=ctx.group)))
+        (dense, reference), (model, history) = runs
+        _assert_same_steps(f"{cfg.activation} hidden dropout", model, dense, history, reference, rank, tp, group)
+        without = LanguageModel(replace(cfg, hidden_dropout=0.0))
+        initialize_weights(without, seed=7)
+        grads = _train_steps(without, batches, steps=1)[0][1]  # dropout was on: the first step's gradients differ
+        assert max(((g - reference[0][1][n]).abs().max() / g.abs().max()).item() for n, g in grads.items()) > 0.05
 
 
 def _tp_checks(rank, world_size):
@@ -217,6 +246,7 @@ def _tp_checks(rank, world_size):
     check_embedding_and_cross_entropy(rank, world_size, group)
     check_residual_hazard(rank, world_size, group)
     check_domino_stack(rank, world_size, group)
+    check_hidden_dropout(rank, world_size, group)
     return True
 
 

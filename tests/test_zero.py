@@ -17,8 +17,8 @@ from megatron_domino.tensor_parallel.sequence_parallel import sum_partial_grads_
 from megatron_domino.training.checkpoint import model_state, model_targets, optimizer_state, optimizer_targets
 from tests.harness import run_ranks
 from tests.test_tensor_parallel import _shard_of
-from tests.zero_setup import (GLOBAL_BATCH, LR, SEED, STEPS, assert_rel, backward_step, batches, loss_of, new_model,
-                              optimizer_config, reference)
+from tests.zero_setup import (GLOBAL_BATCH, LR, SEED, STEPS, assert_rel, backward_step, batches, held_state, loss_of,
+                              new_model, optimizer_config, reference, storage_bytes)
 
 
 # ----- checks run inside the ranks --------------------------------------------------------------------
@@ -145,7 +145,8 @@ def _optimizer_snapshot(dopt) -> dict:
 
 def check_bf16_and_memory(group, dp_rank, dp, data) -> dict:
     """bf16 weights with fp32 masters learn; master + Adam state per weight is 12/d bytes (ZeRO-1/2); gradients
-    4 bytes (ZeRO-1: Megatron's 6 + 12/d in all) or 4/d (ZeRO-2: 2 + 16/d)."""
+    4 bytes (ZeRO-1: Megatron's 6 + 12/d in all) or 4/d (ZeRO-2: 2 + 16/d). Bytes of the storages the optimizer
+    holds (each once), which its own counters must equal: a shard kept as a view of a full-size copy counts whole."""
     measured = {}
     for stage, fp32_grads in ((1, True), (2, True), (1, False)):
         model = new_model(dtype=torch.bfloat16)
@@ -159,10 +160,12 @@ def check_bf16_and_memory(group, dp_rank, dp, data) -> dict:
             losses.append(loss.item())
             assert dopt.step(1e-2)[0]
         assert losses[-1] < 0.8 * losses[0], f"{what} did not learn: {losses}"
-        report = dopt.memory_report()
-        per_weight = (report["master_bytes"] + report["optimizer_state_bytes"]) / report["params"]
+        report, held = dopt.memory_report(), held_state(dopt)  # the counters, and the storages themselves
+        per_weight = (storage_bytes(held["masters"]) + storage_bytes(held["optimizer"])) / report["params"]
         assert per_weight <= 12 / dp * 1.05, (what, report)
-        grad_per_weight = report["grad_bytes"] / report["params"]
+        grad_per_weight = storage_bytes(held["grads"]) / report["params"]
+        assert (report["master_bytes"], report["grad_bytes"]) == (storage_bytes(held["masters"]),
+                                                                   storage_bytes(held["grads"])), (what, report)
         grad_size = 4 if fp32_grads else 2
         if stage == 2:  # between steps only the reduced shard remains
             assert grad_per_weight <= grad_size / dp * 1.05, (what, report)

@@ -2,6 +2,7 @@
 process (fp32, 1e-5), alone and composed with TP + Domino (row and 2-D, SP), every pipeline schedule,
 recompute, CP and EP; its window of gathered layers (a layer released after its forward, the next one's
 gather in flight while one computes); fp16 loss scaling, offload; its memory; bad settings refused."""
+import math
 from dataclasses import replace
 
 import pytest
@@ -12,6 +13,8 @@ from megatron_domino.config import ConfigError
 from megatron_domino.config.loader import load_config
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.optim.distributed_optimizer import DistributedOptimizer
+from megatron_domino.optim.sharded_state import sharded_weight_fragments
+from megatron_domino.training.checkpoint import model_state
 from megatron_domino.tensor_parallel import LayerContext
 from megatron_domino.validation import validate_config
 from tests.harness import run_ranks
@@ -23,7 +26,8 @@ from tests.test_pipeline import GPT, LLAMA, MICRO_BATCH
 from tests.test_schedule_compositions import _check as check_schedules, _layout
 from tests.test_zero import check_fp16_overflow, check_offload_is_the_same_arithmetic, check_parity
 from tests.training_runs import REPO, TINY
-from tests.zero_setup import CFG, GLOBAL_BATCH, SEED, STEPS, batches, loss_of, optimizer_config, reference
+from tests.zero_setup import (CFG, GLOBAL_BATCH, SEED, STEPS, batches, held_state, loss_of, optimizer_config,
+                              reference, storage_bytes)
 
 pytestmark = pytest.mark.slow  # multi-rank training runs: the whole suite, not -m quick
 
@@ -80,8 +84,8 @@ def check_gathers_follow_the_layers(group, dp_rank, dp, data):
 
 def check_memory(group, dp_rank, dp, data):
     """bf16 + Adam, fp32 gradients: model state per weight is 18/d bytes (the vectors, whole on every rank, add
-    their own; so does the shards' alignment, a few percent at this tiny size), and at most two units are ever
-    gathered at once (prefetch depth 1)."""
+    their own; so does the shards' alignment, a few percent at this tiny size), counted from the storages held (each
+    once), and at most two units are ever gathered at once (prefetch depth 1)."""
     model = LanguageModel(replace(CFG, num_layers=4), LayerContext(dtype=torch.bfloat16))
     initialize_weights(model, SEED, 0, 1)
     opt = optimizer_config(zero_stage=3, bucket_size_mb=25.0)
@@ -89,15 +93,36 @@ def check_memory(group, dp_rank, dp, data):
     for _ in range(2):
         _one_backward(dopt, model, data, dp_rank, dp)
         assert dopt.step(1e-3)[0]
-    report = dopt.memory_report()
+    report, held = dopt.memory_report(), held_state(dopt)  # the counters, and the storages themselves
     vectors = sum(p.numel() for p in model.parameters() if p.dim() < 2) / report["params"]
-    state = report["weight_bytes"] + report["grad_bytes"] + report["master_bytes"] + report["optimizer_state_bytes"]
-    per_weight = state / report["params"]
+    per_weight = sum(storage_bytes(tensors) for tensors in held.values()) / report["params"]
+    assert report["weight_bytes"] == storage_bytes(held["weights"]), report
     padded = sum(b.size for buffer in dopt.buffers for b in buffer.buckets) / report["params"]  # aligned shards
     assert per_weight <= 18 / dp * padded * 1.01 + 2 * vectors, (per_weight, padded, report)
     largest = sorted(unit.nbytes() for unit in dopt.units.units)[-2:]
     assert 0 < report["gathered_peak_bytes"] <= sum(largest), report
     return round(per_weight, 3)
+
+
+def check_a_save_offers_the_shard_alone(group, world):
+    """What a rank hands the checkpoint writer (``training.checkpoint.model_state``): its fragments of the sharded
+    weights, as views of its shard (nothing gathered), and the vectors ZeRO-3 keeps whole (written once by DCP)."""
+    model = LanguageModel(CFG, LayerContext(dtype=torch.bfloat16))
+    initialize_weights(model, SEED, 0, 1)
+    dopt = DistributedOptimizer([model], optimizer_config(zero_stage=3), dp_group=group, tp_rank=0, norm_groups=[],
+                                bf16=True)
+    shards, names = sharded_weight_fragments(dopt), dict(model.named_global_parameters())
+    shard_storages = {buffer.weights.shard.untyped_storage().data_ptr() for buffer in dopt.buffers
+                      if buffer.weights.sharded}
+    offered = 0
+    for key, stored in model_state([model], 0, dopt).items():
+        param = names[key.removeprefix("model/")]
+        for piece in stored.pieces:
+            offered += math.prod(piece.sizes)
+            assert id(param) not in shards or piece.tensor.untyped_storage().data_ptr() in shard_storages, key
+    own = sum(f.end - f.start for fragments in shards.values() for f in fragments)
+    whole = sum(p.numel() for p in model.parameters() if id(p) not in shards)
+    assert offered == own + whole and own < 1.1 * sum(p.numel() for p in model.parameters()) / world, (offered, own)
 
 
 def _dp_checks(rank, world):
@@ -108,6 +133,7 @@ def _dp_checks(rank, world):
         check_parity(group, rank, world, data, adamw, optimizer_config(zero_stage=3, **overrides))
     check_gathers_follow_the_layers(group, rank, world, data)
     per_weight = check_memory(group, rank, world, data)
+    check_a_save_offers_the_shard_alone(group, world)
     check_fp16_overflow(group, rank, world, data, stage=3)
     check_offload_is_the_same_arithmetic(group, rank, world, data, cases=((3, 1.0), (3, 0.5)))
     return per_weight
@@ -115,8 +141,8 @@ def _dp_checks(rank, world):
 
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero3_data_parallel_matches_one_process(dp):
-    """AdamW at dp 2 and 4 (prefetch 1 and 0, reshard off, overlap off), the gather window, memory, a skipped
-    fp16 step and offload (the same arithmetic as on the device)."""
+    """AdamW at dp 2 and 4 (prefetch 1 and 0, reshard off, overlap off), the gather window, memory, what a save
+    offers, a skipped fp16 step and offload (the same arithmetic as on the device)."""
     per_weight = run_ranks(_dp_checks, dp, timeout=300)
     print(f"ZeRO-3 at dp {dp}: {per_weight[0]} bytes of model state per weight (18/d = {18 / dp:.2f})")
 
@@ -188,9 +214,8 @@ def test_zero3_under_every_pipeline_schedule():
     (["optimizer.prefetch_depth=7"], "optimizer.prefetch_depth", "must be an integer in [0, 4]"),
     (["optimizer.zero_stage=5"], "optimizer.zero_stage", "must be one of"),
 ])
-def test_bad_zero3_settings_are_refused_before_any_group(overrides, key, rule):
+def test_bad_zero3_settings_are_refused_before_any_group(no_process_group, overrides, key, rule):
     cfg = load_config(f"{REPO}/{TINY['gpt']}", ["data.mock=true", "optimizer.zero_stage=3", *overrides])
     with pytest.raises(ConfigError) as error:
         validate_config(cfg, world_size=8, check_paths=False)
     assert key in str(error.value) and rule in str(error.value), str(error.value)
-    assert not dist.is_initialized()

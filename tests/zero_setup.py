@@ -87,3 +87,28 @@ def backward_step(model, dopt, tokens, labels, dp_rank, dp) -> torch.Tensor:
         total += loss.detach()
     dopt.finish_grad_sync()
     return total
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``, each once however many views share it (a shard kept as a
+    view of a full-size tensor holds the full size)."""
+    sizes = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        sizes[storage.data_ptr()] = storage.nbytes()
+    return sum(sizes.values())
+
+
+def held_state(dopt) -> dict:
+    """What a distributed optimizer holds, by kind, as tensors: its masters, the inner optimizers' state and Muon's
+    momentum, the gradient buffers (ZeRO-1's full buffer; ZeRO-2's shards and the buckets being reduced) and the
+    weights' storage."""
+    states = [t for inner in dopt._inner() for state in inner.states().values() for t in state.values()
+              if torch.is_tensor(t) and t.dim()]  # not Adam's step count
+    states += list(dopt.muon.momentum.values()) if dopt.muon is not None else []
+    grads = [t for buffer in dopt.buffers for t in [buffer.grad_data, buffer.shard_data]
+             + [bucket.grad for bucket in buffer.buckets] if t is not None]
+    weights = [t for buffer in dopt.buffers
+               for t in ([buffer.weights.shard] + [f for f in buffer.weights.fulls if f.untyped_storage().size()]
+                         if buffer.weights.sharded else [buffer.weights.data])]
+    return {"masters": list(dopt.masters), "optimizer": states, "grads": grads, "weights": weights}

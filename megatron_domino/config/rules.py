@@ -273,6 +273,11 @@ def check_operations(c: Checks, cfg: Config) -> None:
         c.fail("log.sync_debug", True, "fp16's loss scaler reads its overflow flag on the host in every step (to "
                "skip an overflowed one), a host sync that sync_debug makes an error at step 3",
                "use train.bf16=true (no loss scaling), or set log.sync_debug=false for fp16 runs")
+    if log.sync_debug and cfg.parallel.variable_seq_lengths and cfg.parallel.pp > 1:
+        c.fail("log.sync_debug", True, "with parallel.variable_seq_lengths every pipeline receive reads its "
+               "tensor's shape on the host, a host sync that sync_debug makes an error",
+               "set parallel.variable_seq_lengths=false (every micro-batch at model.seq_length), or "
+               "log.sync_debug=false")
     c.one_of("log.wandb_mode", log.wandb_mode, WANDB_MODES)
     c.at_least("log.straggler_interval", log.straggler_interval, 0)
     window = log.profile_steps

@@ -50,7 +50,7 @@ class Region:
     torch's own message."""
 
     def __init__(self, function, name: str):
-        self.name = name
+        self.name, self.eager = name, function  # eager: what a rehearsal runs (rehearsal/kernels.py)
         self.compiled = torch.compile(function, dynamic=False, fullgraph=True)
 
     def __call__(self, *args):

@@ -14,19 +14,24 @@ from torch.utils.checkpoint import checkpoint
 from ..parallel.random import RNGTracker
 
 
+class _Replay:
+    """The tracker's streams as they were at the forward, for the span of a recompute. Entered once per recompute,
+    and a split backward (its I, then its W: pipeline/split_backward.py) recomputes a phase twice, so it is a
+    class: a generator's context manager cannot be entered a second time."""
+
+    def __init__(self, tracker: RNGTracker):
+        self.tracker, self.saved, self.current = tracker, tracker.get_states(), None
+
+    def __enter__(self):
+        self.current = self.tracker.get_states()
+        self.tracker.set_states(self.saved)
+
+    def __exit__(self, *exc):
+        self.tracker.set_states(self.current)
+
+
 def _tracker_contexts(tracker: RNGTracker):
-    saved = tracker.get_states()
-
-    @contextlib.contextmanager
-    def replay():
-        current = tracker.get_states()
-        tracker.set_states(saved)
-        try:
-            yield
-        finally:
-            tracker.set_states(current)
-
-    return contextlib.nullcontext(), replay()
+    return contextlib.nullcontext(), _Replay(tracker)
 
 
 def recompute(function, *args, rng: RNGTracker | None = None):

@@ -124,7 +124,8 @@ def within_capacity(experts: torch.Tensor, num_experts: int, capacity: int,
     flat = experts.flatten()
     order = priority.flatten().argsort(descending=True, stable=True)
     order = order[flat[order].argsort(stable=True)]  # grouped by expert, each group by descending priority
-    counts = torch.bincount(flat, minlength=num_experts)
+    # assignments per expert by a scatter-add: CUDA's bincount reads its output size on the host
+    counts = flat.new_zeros(num_experts).scatter_add_(0, flat, torch.ones_like(flat))
     queue_position = torch.empty_like(flat)
     queue_position[order] = torch.arange(len(flat), device=flat.device) - (counts.cumsum(0) - counts)[flat[order]]
     return (queue_position < capacity).view_as(experts)

@@ -82,13 +82,16 @@ class GradBuffer:
         found = []
         for bucket in self.buckets:
             lo, hi = bucket.shard_start, bucket.shard_start + bucket.shard_size
-            for param, offset in zip(bucket.params, bucket.offsets):
-                begin, end = max(offset, lo), min(offset + param.numel(), hi)
-                if begin >= end:
-                    continue
-                data = self.weights.own(bucket)[begin - lo:end - lo]
-                found.append(Fragment(param, bucket, begin - offset, end - offset, begin - lo,
-                                      bucket.reduced[begin - lo:end - lo], data))
+            cuts = [(param, offset, max(offset, lo), min(offset + param.numel(), hi))
+                    for param, offset in zip(bucket.params, bucket.offsets)]
+            cuts = [cut for cut in cuts if cut[2] < cut[3]]  # the parameters tile the shard from its start
+            if not cuts:
+                continue
+            sizes = [end - begin for _, _, begin, end in cuts]
+            sizes.append(bucket.shard_size - sum(sizes))  # the padding after the last parameter
+            pieces = zip(self.weights.own(bucket).split(sizes), bucket.reduced.split(sizes))  # two ops per bucket
+            for (param, offset, begin, end), (data, grad) in zip(cuts, pieces):
+                found.append(Fragment(param, bucket, begin - offset, end - offset, begin - lo, grad, data))
         return found
 
     def reduced(self) -> list[torch.Tensor]:

@@ -17,13 +17,15 @@ from __future__ import annotations
 import torch
 
 from ..parallel.comm import all_gather_flat
+from .buckets import shaped_views
 
 
+@torch.no_grad()
 def _adopt(bucket, full: torch.Tensor) -> None:
     """Make each of the bucket's weights a view of ``full`` (same values, new storage)."""
-    for param, offset in zip(bucket.params, bucket.offsets):
-        view = full[offset:offset + param.numel()].view_as(param)
-        view.copy_(param.data)
+    views = shaped_views(full, bucket.params, bucket.offsets)
+    torch._foreach_copy_(views, bucket.params)
+    for param, view in zip(bucket.params, views):
         param.data = view
 
 

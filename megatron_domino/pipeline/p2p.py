@@ -15,7 +15,7 @@ everything queued before it runs without waiting for the transfer, and the CPU n
 CPU (gloo) it blocks with the collective timeout, naming the peer. A dead peer is reported by the
 watchdog either way: its timeout is the shorter one. Sends are kept until their group completes, so
 their buffers live as long as NCCL reads them. With ``variable_shapes`` a group first exchanges the
-shapes (one int64 tensor per transfer).
+shapes (one int64 tensor per transfer), and a receive reads its shape on the host.
 
 On NCCL, ``init_process_group(device_id=...)`` creates the communicator eagerly, which
 batched p2p needs when it is the first operation a group sees.
@@ -47,6 +47,7 @@ class Transfer:
     tensor: torch.Tensor | None = None  # set on a send
     shape: tuple | None = None  # set on a receive
     dtype: torch.dtype | None = None
+    into: torch.Tensor | None = None  # a receive's own buffer (default: a new one of ``shape`` and ``dtype``)
 
     @property
     def is_send(self) -> bool:
@@ -68,7 +69,7 @@ class Arrival:
     """A posted receive; ``wait()`` returns its tensor once its group has completed (on CUDA: for the
     current stream)."""
 
-    def __init__(self, p2p: "P2P", group: GroupWork, transfer: Transfer, tensor: torch.Tensor):
+    def __init__(self, p2p: P2P, group: GroupWork, transfer: Transfer, tensor: torch.Tensor):
         self._p2p, self._group, self.transfer, self.tensor = p2p, group, transfer, tensor
 
     def wait(self) -> torch.Tensor:
@@ -96,7 +97,7 @@ class P2P:
         return self._post(transfers)
 
     def _post(self, transfers: list[Transfer]) -> list[Arrival]:
-        buffers = [t.tensor.detach().contiguous() if t.is_send else
+        buffers = [t.tensor.detach().contiguous() if t.is_send else t.into if t.into is not None else
                    torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in transfers]
         group = GroupWork(self._launch(transfers, buffers))
         received = []
@@ -109,22 +110,27 @@ class P2P:
         return received
 
     def _exchange_shapes(self, transfers: list[Transfer]) -> None:
-        """Send each tensor's shape ahead of it, and fill in each receive's shape."""
-        headers = []
+        """Send each tensor's shape ahead of it, and fill in each receive's shape: the one host read of this
+        mode (docs/design/nccl-rules.md), which is why ``log.sync_debug`` refuses it. A receive's header holds
+        the shape it expects until the peer's arrives (a rehearsal, whose receives bring no values, reads that)."""
+        shapes = []
         for t in transfers:
-            header = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64, device=self.device)
-            if t.is_send:
-                header[0] = t.tensor.dim()
-                header[1:t.tensor.dim() + 1] = torch.tensor(t.tensor.shape)
-            headers.append(header)
-        shapes = [Transfer(t.peer, f"shape of {t.label}", (SHAPE,) + t.key[1:],
-                           tensor=h if t.is_send else None, shape=None if t.is_send else h.shape, dtype=h.dtype)
-                  for t, h in zip(transfers, headers)]
+            header = self._header(t.tensor.shape if t.is_send else t.shape or ())
+            shapes.append(Transfer(t.peer, f"shape of {t.label}", (SHAPE,) + t.key[1:],
+                                   tensor=header if t.is_send else None, shape=None if t.is_send else header.shape,
+                                   dtype=header.dtype, into=None if t.is_send else header))
         received = iter(self._post(shapes))
         for t in transfers:
             if not t.is_send:
-                header = next(received).wait()
-                t.shape = tuple(header[1:int(header[0]) + 1].tolist())
+                header = next(received).wait().tolist()
+                t.shape = tuple(header[1:header[0] + 1])
+
+    def _header(self, shape) -> torch.Tensor:
+        """[dims, *shape, 0...] on the device: written in page-locked host memory, moved by one non-blocking
+        copy (a tensor built on the device from host values would be two blocking copies)."""
+        values = [len(shape), *shape] + [0] * (_MAX_DIMS - len(shape))
+        host = torch.tensor(values, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        return host.to(self.device, non_blocking=True)
 
     def _launch(self, transfers: list[Transfer], buffers: list[torch.Tensor]) -> list:
         """Issue the group; returns its works (how many depends on the backend: see ``GroupWork``)."""

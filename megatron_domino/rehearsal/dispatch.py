@@ -1,7 +1,7 @@
 """The dispatch mode a rehearsal runs under, above torch's ``FakeTensorMode``: every op passes here first.
 
 Per op, in order: page-locked memory for fake host tensors (``pin_memory``, ``is_pinned``); the host-sync
-check; host reads answered from shadows (``shadows.py``); ops on real host tensors only (the data
+check; the device of every tensor a collective is given; host reads answered from shadows (``shadows.py``); ops on real host tensors only (the data
 pipeline's), and small host tensors made from nothing, run for real, so host-side values stay exact
 (large host tensors, such as a full-size weight before it is sharded, stay fake); data-dependent shapes
 sized from shadows; then the op itself on fake tensors, the shadows it propagates, the collectives it
@@ -29,6 +29,16 @@ class RehearsalError(RuntimeError):
     pass
 
 
+def _check_devices(func, args) -> None:
+    """A collective's tensors must be the device's: NCCL takes CUDA tensors only, where gloo and the fake process
+    group take any (so a host tensor handed to a collective passes every CPU test and fails on the first GPU)."""
+    for tensor in tensors_in(args):
+        if tensor.device.type != "cuda":
+            raise RehearsalError(f"{func} was given a {tensor.device.type} tensor of shape {tuple(tensor.shape)}: an "
+                                 f"NCCL group takes CUDA tensors only. Fix: make it on the rank's device (or move it "
+                                 f"there) before the collective")
+
+
 def _on_host(inputs: list, kwargs) -> bool:
     """Whether an op works on the host only: real host tensors in (or none), host tensors out."""
     device = kwargs.get("device")
@@ -50,6 +60,8 @@ class RehearsalMode(TorchDispatchMode):
         if func in SCALED_MM_INTO:
             return scaled_mm_into(func, args, kwargs)
         self.syncs.check(func, args, kwargs)
+        if func.namespace == "c10d":
+            _check_devices(func, args)
         if func is aten._local_scalar_dense.default and is_fake(args[0]):
             return self._read(args[0])
         inputs = tensors_in((args, kwargs))

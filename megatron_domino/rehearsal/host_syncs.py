@@ -38,6 +38,8 @@ BY_DESIGN = {
     ("training/guard.py", "_accept"): "the bad-step guard reads the loss and the grad norm",
     ("training/guard.py", "_first_rank"): "the bad-step guard names the rank of a non-finite gradient",
     ("optim/host_step.py", "_step_bucket"): "CPU offload: the host thread waits for the gradients it steps",
+    ("pipeline/p2p.py", "_exchange_shapes"): "parallel.variable_seq_lengths: a pipeline receive reads its "
+                                             "tensor's shape",
 }
 
 

@@ -13,6 +13,9 @@ Two ops have no fake kernel: ``torch._scaled_mm`` and v2's ``aten._scaled_mm_v2`
 and column-major operands, the scales' shapes; v2 also the blocks' padded layout); the dispatch mode calls it,
 since a torch-function mode is off inside ``autograd.backward``.
 The FP8 kernels' probes cannot run on fake tensors: ``fp8_kernels_present`` answers them for the GPU rehearsed.
+``model.compile``'s regions run their eager code (``compiled_regions_eager``): Dynamo does not trace under the
+rehearsal's dispatch mode, and a region holds no collective and reads nothing on the host (``models/compiled.py``),
+so the steps around the regions are checked as they run; their saved tensors are eager's, not the fused kernels'.
 The math kernel and everything else run as the CPU build has them (the same ops CUDA runs).
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..fp8 import grouped_kernel, native_blockwise
+from ..models.compiled import Region
 
 aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -109,3 +113,14 @@ class CudaKernels(TorchFunctionMode):
             if len(shape) == 1:
                 return FusedRMSNorm.apply(x, kwargs.get("weight", weight), kwargs.get("eps", eps))
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def compiled_regions_eager():
+    """Every ``model.compile`` region runs the function it compiles (see the module docstring)."""
+    call = Region.__call__
+    Region.__call__ = lambda region, *args: region.eager(*args)
+    try:
+        yield
+    finally:
+        Region.__call__ = call

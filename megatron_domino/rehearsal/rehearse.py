@@ -40,7 +40,7 @@ from . import fake_cuda
 from .collectives import CollectiveCounter
 from .dispatch import RehearsalMode
 from .host_syncs import HostSyncDetector
-from .kernels import CudaKernels, fp8_kernels_present
+from .kernels import CudaKernels, compiled_regions_eager, fp8_kernels_present
 from .memory import CATEGORIES, AllocationAccounting
 from .runtime import RehearsalRuntime
 from .store import RehearsalStore
@@ -162,7 +162,7 @@ def rehearse_rank(cfg, world_size: int, rank: int, gpu: str = "h100-80gb", job=N
     start = time.perf_counter()
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), RehearsalMode(memory, syncs, collectives), CudaKernels(), \
-                weights_resized(memory), fp8_kernels_present(GPUS_PER_NODE):
+                weights_resized(memory), fp8_kernels_present(GPUS_PER_NODE), compiled_regions_eager():
             trainer = Trainer(cfg, writes_checkpoints=False, print_rank_map=False)
             try:
                 collectives.name_groups(trainer.state)

@@ -9,7 +9,8 @@ same ops give on real values, computed beside the fake one. Where the values com
   same share of the tokens (the planner's assumption; a skewed router would send more to one rank);
 - collectives act as if every member of the group held the same values as this rank (every rank of a
   rehearsal plays the same program): a sum multiplies by the group size, an all-gather tiles, an
-  all-to-all returns the chunk this rank would send to itself from each member;
+  all-to-all returns the chunk this rank would send to itself from each member; a receive brings the values its
+  buffer was given (a pipeline shape header holds the shape the receiver expects);
 - any other op computes them when all its tensor inputs have shadows; a mutated tensor whose new values
   cannot be computed loses its shadow.
 Floating tensors never get one (their values are never read on purpose), nor do tensors over
@@ -174,7 +175,8 @@ def _collective(func, args) -> None:
             if known is not None and not args[3] and _wants_shadow(args[0]):
                 mine = known.chunk(group.size())[group.rank()]
                 args[0]._shadow = mine.repeat(group.size(), *[1] * (mine.dim() - 1))
-    elif func is not c10d.broadcast_.default:  # broadcast: every member holds the root's values already
+    elif func not in (c10d.broadcast_.default, c10d.recv_.default):  # broadcast: every member holds the root's
+        # values already; a receive: the peer sends what this rank expects, the values its buffer holds
         for t in tensors_in(args[0]):  # received or reduce-scattered values: unknown here
             if is_fake(t):
                 t._shadow = None
