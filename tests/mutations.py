@@ -79,7 +79,7 @@ MUTATIONS = [
        "megatron_domino/parallel/strict.py", "        if isinstance(tensor, HostCopy):", "        if False:",
        "tests/test_strict_collectives.py::test_host_copies_are_refused_by_collectives_and_device_tensors_pass"),
     _m("token-count-left-on-the-host", "the rehearsal checks the device of every collective's tensor",
-       "megatron_domino/pipeline/engine.py", "count = to_device(torch.stack(counts).sum(), self.device)",
+       "megatron_domino/loss/objective.py", "count = to_device(torch.stack(counts).sum(), device)",
        "count = torch.stack(counts).sum()", TOOL),
     _m("rehearsal-device-check-dropped", "the rehearsal checks the device of every collective's tensor",
        "megatron_domino/rehearsal/dispatch.py", "            _check_devices(func, args)\n", "",
@@ -113,9 +113,9 @@ MUTATIONS = [
     # ----- ZeRO's bytes and checkpoint shards
     _m("masters-in-a-full-copy", "ZeRO-1/2 hold 12/d bytes of optimizer state per weight",
        "megatron_domino/optim/distributed_optimizer.py",
-       "else f.data if f.data.dtype == torch.float32 else f.data.float()",
-       "else f.data if f.data.dtype == torch.float32 else "
-       "torch.cat([f.data.float(), f.data.new_zeros(f.bucket.size, dtype=torch.float32)])[:f.end - f.start]",
+       "else f.data if f.data.dtype == dtype else f.data.to(dtype)",
+       "else f.data if f.data.dtype == dtype else "
+       "torch.cat([f.data.to(dtype), f.data.new_zeros(f.bucket.size, dtype=dtype)])[:f.end - f.start]",
        "tests/test_zero.py::test_data_parallel_matches_one_process[2]"),
     _m("zero3-weights-kept-whole", "ZeRO-3 holds 18/d bytes of model state per weight",
        "megatron_domino/optim/weight_store.py", "    def release(self, bucket) -> None:\n"
@@ -128,7 +128,8 @@ MUTATIONS = [
        "regions(param, info, tp_rank, f.start, f.end, flat=f.data.clone())",
        "tests/test_zero3.py::test_zero3_data_parallel_matches_one_process[2]"),
     _m("unwritable-folder-found-late", "an unwritable checkpoint folder is refused before step 1",
-       "megatron_domino/training/checkpoint_dir.py", "    except OSError as problem:", "    except ValueError as problem:",
+       "megatron_domino/training/checkpoint_dir.py", "    except OSError as problem:",
+       "    except ValueError as problem:",
        "tests/test_checkpoint_disk.py::test_a_read_only_checkpoint_dir_fails_before_step_1"),
     _m("free-space-unchecked", "a disk too small for one checkpoint warns or fails at start-up",
        "megatron_domino/training/checkpoint_dir.py", "    if free >= need:", "    if True:",

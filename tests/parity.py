@@ -3,6 +3,8 @@ import torch
 
 from megatron_domino.config import Config
 from megatron_domino.fp8.state import end_step as fp8_end_step
+from megatron_domino.fp8.weight_scales import fixed_for_the_step
+from megatron_domino.loss import Objective
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.models.expert_bias import update_expert_biases
 from megatron_domino.models.full_state import gather_full
@@ -90,12 +92,14 @@ def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, ch
     engine, losses = None, []
     for micro in steps_of_microbatches(ps):
         if engine is None:
+            objective = Objective(cfg, ps, chunks, num_microbatches=len(micro), device=torch.device("cpu"))
             engine = PipelineEngine(chunks, ps, cfg, device=torch.device("cpu"), dtype=torch.float32,
-                                    num_microbatches=len(micro), on_backward=optimizer.begin_backward)
+                                    num_microbatches=len(micro), loss=objective, on_backward=optimizer.begin_backward)
             if check_engine is not None:
                 check_engine(engine)
         optimizer.zero_grad()
-        losses.append(engine.forward_backward(micro).item())
+        with fixed_for_the_step(chunks, keep_copies=cfg.optimizer.zero_stage != 3):  # as the trainer holds it
+            losses.append(engine.forward_backward(micro).item())
         finalize_grads(chunks, ps, optimizer)
         _, norm = optimizer.step(lr)
         update_expert_biases(chunks, ps.dp_cp_group)
@@ -126,16 +130,14 @@ def reference_steps(model_config, batches, lr, micro_batch=None, optimizer=None,
         dense.zero_grad(set_to_none=True)
         if dopt is not None:
             dopt.zero_grad()
-        dense.reset_routing_stats()
         size = batch["tokens"].shape[0]
+        dense.begin_step(1.0 / size if micro_batch else 1.0)
         total = 0.0
         for start in range(0, size, micro_batch or size):
             part = {key: value[start:start + (micro_batch or size)]
                     if torch.is_tensor(value) and value.dim() and value.shape[0] == size else value
                     for key, value in batch.items()}
-            if micro_batch:
-                part["aux_loss_weight"], part["microbatch_index"] = 1.0 / size, start // micro_batch
-            loss = (dense(None, part) * part["loss_mask"]).sum() / batch["loss_mask"].sum()
+            loss = (dense(None, part)[..., 0] * part["loss_mask"]).sum() / batch["loss_mask"].sum()
             if dopt is not None:
                 dopt.begin_backward(start + (micro_batch or size) >= size)
             loss.backward()

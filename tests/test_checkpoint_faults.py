@@ -132,6 +132,7 @@ def _edit_metadata(step_dir: str, **changes) -> None:
 
 
 SHARD = "__0_0.distcp"  # what the single rank of the fixture wrote
+INDEX_DAMAGED = "/.metadata (the tensor index) is missing or damaged"
 
 
 class _RunsCode:
@@ -154,8 +155,8 @@ DAMAGE = {
     "truncated metadata": (lambda s: _truncate(os.path.join(s, fmt.METADATA), 40), "metadata.json is not valid JSON"),
     "truncated shard": (lambda s: _truncate(os.path.join(s, SHARD), 3000), f"{SHARD} is truncated (3000 of "),
     "missing shard": (lambda s: os.remove(os.path.join(s, SHARD)), f"{SHARD} is missing"),
-    "missing index": (lambda s: os.remove(os.path.join(s, tensors.INDEX)), "/.metadata (the tensor index) is missing or damaged"),
-    "edited index": (lambda s: _truncate(os.path.join(s, tensors.INDEX), 500), "/.metadata (the tensor index) is missing or damaged"),
+    "missing index": (lambda s: os.remove(os.path.join(s, tensors.INDEX)), INDEX_DAMAGED),
+    "edited index": (lambda s: _truncate(os.path.join(s, tensors.INDEX), 500), INDEX_DAMAGED),
     "index that runs code": (lambda s: _write_bytes(os.path.join(s, tensors.INDEX), pickle.dumps(_RunsCode())),
                              "system is not part of a checkpoint index"),
     "latest names a missing step": (lambda s: _write(os.path.join(os.path.dirname(s), fmt.LATEST),

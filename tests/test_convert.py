@@ -177,7 +177,7 @@ def test_round_trip_is_bit_exact_and_logits_match(hf_models, tmp_path, name):
     tokens = torch.randint(0, hf_model.config.vocab_size, (2, cfg.model.seq_length))
     with torch.no_grad():
         expected = hf_model(tokens).logits
-        ours = model(None, {"tokens": tokens}, return_logits=True)
+        ours = model.logits(None, {"tokens": tokens})
     assert_logits_close(ours, expected)
 
     back = str(tmp_path / "back")

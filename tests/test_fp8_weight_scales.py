@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_domino.pipeline import engine
+from tests import parity
 from tests.harness import run_ranks
 from tests.test_context_parallel import STEPS, _layout, _train
 from tests.test_fp8_parity import fp8
@@ -39,12 +39,12 @@ def _counted_run(world_size, cfg):
 def _check(rank, world_size):
     cfg = _layout(fp8(GPT, "tensorwise"), cp=1, tp=2, domino=True)[0]
     grouped = _counted_run(world_size, cfg)
-    fixed = engine.fixed_for_the_step
-    engine.fixed_for_the_step = lambda chunks, **kept: contextlib.nullcontext()  # every use its own
+    fixed = parity.fixed_for_the_step  # held around each step's run, as the trainer holds it
+    parity.fixed_for_the_step = lambda chunks, **kept: contextlib.nullcontext()  # every use its own
     try:
         per_use = _counted_run(world_size, cfg)
     finally:
-        engine.fixed_for_the_step = fixed
+        parity.fixed_for_the_step = fixed
     assert grouped[0] == per_use[0]
     for name, weight in grouped[1].items():
         assert torch.equal(weight, per_use[1][name]), name

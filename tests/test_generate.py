@@ -42,18 +42,17 @@ def test_kv_cache_gives_the_logits_of_a_full_forward(name):
     model = LanguageModel(cfg).eval()
     initialize_weights(model, seed=3)
     tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
-    full = model(None, {"tokens": tokens, "position_ids": torch.arange(12).expand(2, -1)}, return_logits=True)
+    full = model.logits(None, {"tokens": tokens, "position_ids": torch.arange(12).expand(2, -1)})
     cache, start = KVCache(12), 0
     for size in (7, 1, 3, 1):
-        step = model(None, {"tokens": tokens[:, start:start + size], "kv_cache": cache,
-                            "position_ids": torch.arange(start, start + size).expand(2, -1)}, return_logits=True)
+        step = model.logits(None, {"tokens": tokens[:, start:start + size], "kv_cache": cache,
+                                   "position_ids": torch.arange(start, start + size).expand(2, -1)})
         cache.advance(size)
         torch.testing.assert_close(step, full[:, start:start + size], rtol=0, atol=1e-5)
         start += size
     assert next_logits(model, tokens[:, :5], KVCache(5)).shape == (2, cfg.vocab_size)
     with pytest.raises(ValueError, match="the KV cache holds 12 tokens"):
-        model(None, {"tokens": tokens[:, :1], "kv_cache": cache, "position_ids": torch.full((2, 1), 12)},
-              return_logits=True)
+        model.logits(None, {"tokens": tokens[:, :1], "kv_cache": cache, "position_ids": torch.full((2, 1), 12)})
 
 
 def _sharpened(model, factor: float = 10.0):

@@ -38,7 +38,8 @@ def _hf_llama(cfg):
     return transformers.LlamaForCausalLM(config)
 
 
-@pytest.mark.parametrize("cfg, build, kind", [(GPT, _hf_gpt2, "gpt2"), (LLAMA, _hf_llama, "llama")], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("cfg, build, kind", [(GPT, _hf_gpt2, "gpt2"), (LLAMA, _hf_llama, "llama")],
+                         ids=["gpt2", "llama"])
 def test_logits_match_transformers(cfg, build, kind):
     torch.manual_seed(0)
     hf = sharpen(build(cfg).eval(), seed=1)
@@ -48,7 +49,7 @@ def test_logits_match_transformers(cfg, build, kind):
     tokens = torch.randint(0, cfg.vocab_size, (3, cfg.seq_length))
     with torch.no_grad():
         expected = hf(tokens).logits
-        ours = model(None, {"tokens": tokens}, return_logits=True)
+        ours = model.logits(None, {"tokens": tokens})
     assert_logits_close(ours, expected)
     back = native_to_hf(full_state_dict(model), cfg, kind)
     for name, tensor in hf.state_dict().items():
@@ -75,6 +76,6 @@ def test_grouped_query_attention_hands_sdpa_uncopied_keys_and_values():
 
     model = LanguageModel(LLAMA)
     with Calls() as calls:
-        model(None, {"tokens": torch.randint(0, LLAMA.vocab_size, (2, LLAMA.seq_length))}, return_logits=True)
+        model.logits(None, {"tokens": torch.randint(0, LLAMA.vocab_size, (2, LLAMA.seq_length))})
     assert calls.kv_heads == [(LLAMA.num_attention_heads, LLAMA.query_groups, LLAMA.query_groups)] * LLAMA.num_layers
     assert calls.repeats == 0

@@ -141,7 +141,8 @@ def _layer_and_input(cfg, samples: int):
                               "grouped-gemm-bias", "grouped-gemm-swiglu"])
 def test_layer_equals_loops_over_tokens_and_experts(cfg):
     moe, x, grad_out = _layer_and_input(cfg, 2)
-    out, bias = moe.project(moe.hidden(x, TokenContext(aux_loss_weight=0.7)))
+    moe.begin_step(0.7)
+    out, bias = moe.project(moe.hidden(x))
     out = out + bias if bias is not None else out
     got = torch.autograd.grad((out * grad_out).sum(), [x, *moe.parameters()])
 
@@ -165,8 +166,8 @@ def test_a_micro_batch_routed_in_pieces_has_the_losses_of_the_whole(cfg):
     moe, x, grad_out = _layer_and_input(cfg, 4)
     results = []
     for pieces in (1, 2, 4):
-        moe.stats.reset()
-        context = TokenContext(aux_loss_weight=0.7, balance={})
+        moe.begin_step(0.7)
+        context = TokenContext(balance={})
         rows = [slice(i * 4 // pieces, (i + 1) * 4 // pieces) for i in range(pieces)]
         routed = [moe.hidden(x[r], context.rows(r, pieces)) for r in rows]  # every piece routes before any projects
         out = torch.cat([moe.project(piece)[0] for piece in routed])
@@ -216,7 +217,7 @@ def _batches(model):
 
 def _reference(model, group_size, batches=None, norms=None):
     """One process, SGD over ``batches`` (default ``_batches``); tokens routed in groups of ``group_size`` samples
-    (a micro-batch), the objective the engine's: token-mean LM loss + auxiliary losses
+    (a micro-batch), the objective ``loss.Objective``'s: token-mean LM loss + auxiliary losses
     averaged over micro-batches. Appends each step's gradient norm to ``norms``."""
     dense = LanguageModel(model)
     initialize_weights(dense, seed=3)
@@ -224,11 +225,11 @@ def _reference(model, group_size, batches=None, norms=None):
     losses = []
     for tokens, labels, mask in batches or _batches(model):
         dense.zero_grad(set_to_none=True)
-        dense.reset_routing_stats()
+        dense.begin_step(1.0 / GLOBAL_BATCH)
         total = 0.0
         for rows in torch.arange(GLOBAL_BATCH).split(group_size):
-            batch = {"tokens": tokens[rows], "labels": labels[rows], "aux_loss_weight": 1.0 / GLOBAL_BATCH}
-            loss = (dense(None, batch) * mask[rows]).sum() / mask.sum()
+            per_token = dense(None, {"tokens": tokens[rows], "labels": labels[rows]})[..., 0]
+            loss = (per_token * mask[rows]).sum() / mask.sum()
             loss.backward()
             total += loss.item()
         if norms is not None:

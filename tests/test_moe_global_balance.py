@@ -37,9 +37,9 @@ def _layer_gradients(cfg, inputs, grads, order):
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.3)
     outputs = []
-    for index, x in enumerate(inputs):
-        context = TokenContext(aux_loss_weight=0.25, balance={}, microbatch=index)
-        outputs.append(moe.project(moe.hidden(x, context))[0])
+    moe.begin_step(0.25)
+    for x in inputs:
+        outputs.append(moe.project(moe.hidden(x, TokenContext(balance={})))[0])
     for index in order:
         (outputs[index] * grads[index]).sum().backward()
     result = [x.grad.clone() for x in inputs] + [p.grad.clone() for p in moe.parameters()]
@@ -78,12 +78,26 @@ def test_the_layer_adds_the_closed_form_of_the_running_global_balance_loss():
 
 
 @pytest.mark.quick
-def test_a_backward_before_an_earlier_forward_is_refused():
+def test_the_layer_numbers_a_steps_micro_batches_as_they_arrive():
+    """Micro-batch j of a step is the j-th to reach the layer (every schedule runs a chunk's forwards in micro-batch
+    order: tests/test_pipeline_schedules.py); each step numbers from 0 and leaves the last one's sets to their
+    backwards; outside a step, or without gradients, a micro-batch's losses stand alone."""
     moe = MoE(GLOBAL, LayerContext())
     x = torch.randn(2, GLOBAL.seq_length, GLOBAL.hidden_size, requires_grad=True)
-    out = moe.project(moe.hidden(x, TokenContext(balance={}, microbatch=1)))[0]
-    with pytest.raises(RuntimeError, match="before the forward of micro-batch 0"):
-        out.sum().backward()
+
+    def routed():
+        context = TokenContext(balance={})
+        moe.hidden(x, context)
+        return context.balance[id(moe)]
+
+    assert routed().earlier is None
+    moe.begin_step(0.5)
+    first_step = [routed() for _ in range(3)]
+    assert [s.index for s in first_step] == [0, 1, 2] and all(s.earlier is moe.step_sets for s in first_step)
+    with torch.no_grad():
+        assert routed().earlier is None
+    moe.begin_step(0.5)
+    assert routed().index == 0 and sorted(first_step[0].earlier) == [0, 1, 2]
 
 
 @pytest.mark.quick

@@ -114,12 +114,11 @@ def _reference(model, documents):
     losses = []
     for samples in _samples(model, documents):
         dense.zero_grad(set_to_none=True)
-        dense.reset_routing_stats()  # the step's loads, which the expert biases move by
+        dense.begin_step(1.0 / GLOBAL_BATCH)
         batch = with_mtp_targets(collate(samples), model.mtp_num_layers)
         count, total = batch["loss_mask"].sum(), 0.0
         for start in range(0, GLOBAL_BATCH, MICRO_BATCH):
             part = {key: value[start:start + MICRO_BATCH] for key, value in batch.items()}
-            part["aux_loss_weight"] = 1.0 / GLOBAL_BATCH
             per_token = dense(None, part)
             _combined(per_token, part, count, model.mtp_loss_scale, model.mtp_num_layers).backward()
             total += ((per_token[..., 0] * part["loss_mask"]).sum() / count).item()
@@ -144,7 +143,7 @@ def _train(world_size, cfg, documents, logged):
 
     engines = []
     losses, weights = train_steps(world_size, cfg, cfg.optimizer, steps, LR, check_engine=engines.append)
-    logged.append(engines[0].mtp_loss.item())
+    logged.append(engines[0].loss.mtp_loss.item())
     return losses, weights
 
 

@@ -115,7 +115,7 @@ def _ours(model, tokens):
         per_token = model(None, batch)
         for hook in hooks:
             hook.remove()
-        stages["logits"] = model(None, {"tokens": tokens[:, :-1]}, return_logits=True)
+        stages["logits"] = model.logits(None, {"tokens": tokens[:, :-1]})
     stages["loss"] = per_token[:, :s - 1, 1]
     return stages
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megatron_domino.config import Config, ModelConfig
+from megatron_domino.loss import Objective
 from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.models.full_state import gather_full
 from megatron_domino.parallel import ParallelState, Topology
@@ -47,7 +48,7 @@ def _reference(model):
     dense = LanguageModel(model)
     initialize_weights(dense, seed=3)
     tokens, labels, mask = _global_batch(model)
-    per_token = dense(None, {"tokens": tokens, "labels": labels})
+    per_token = dense(None, {"tokens": tokens, "labels": labels})[..., 0]
     loss = (per_token * mask).sum() / mask.sum()
     loss.backward()
     return loss.item(), {n: p.grad for n, p in dense.named_global_parameters()}
@@ -62,14 +63,15 @@ def _run_layout(rank, world_size, cfg):
     rows = slice(ps.dp_rank * per_rank, (ps.dp_rank + 1) * per_rank)
     micro = [{"tokens": t, "labels": l, "loss_mask": m} for t, l, m in
              zip(tokens[rows].split(MICRO_BATCH), labels[rows].split(MICRO_BATCH), mask[rows].split(MICRO_BATCH))]
-    engine = PipelineEngine(chunks, ps, cfg, device=torch.device("cpu"), dtype=torch.float32,
-                            num_microbatches=len(micro))
+    cpu = torch.device("cpu")
+    engine = PipelineEngine(chunks, ps, cfg, device=cpu, dtype=torch.float32, num_microbatches=len(micro),
+                            loss=Objective(cfg, ps, chunks, num_microbatches=len(micro), device=cpu))
     assert isinstance(engine.executor.p2p, StrictP2P)  # NCCL's rules: the strict state
     eval_loss = engine.evaluate(micro)  # the forward-only schedule, transfers grouped the same way
     # A second state alive beside the first (no process-wide current one): its own groups, barriers and transport.
     plain = ParallelState(ps.topology)
-    plain_engine = PipelineEngine(chunks, plain, cfg, device=torch.device("cpu"), dtype=torch.float32,
-                                  num_microbatches=len(micro))
+    plain_engine = PipelineEngine(chunks, plain, cfg, device=cpu, dtype=torch.float32, num_microbatches=len(micro),
+                                  loss=Objective(cfg, plain, chunks, num_microbatches=len(micro), device=cpu))
     assert type(plain_engine.executor.p2p) is P2P and plain.barriers.key("x") != ps.barriers.key("x")
     assert plain_engine.evaluate(micro).item() == eval_loss.item()
     plain.destroy()  # the first state's groups stay usable

@@ -11,8 +11,8 @@ from fractions import Fraction
 
 import pytest
 
-from megatron_domino.pipeline.program import Instruction, TransferGroup, transfers_of
-from megatron_domino.pipeline.schedules import build_schedule
+from megatron_domino.pipeline.program import Instruction, TransferGroup, computes_of, transfers_of
+from megatron_domino.pipeline.schedules import SCHEDULES, build_schedule
 from megatron_domino.pipeline.simulate import Costs, ScheduleError, simulate
 from megatron_domino.pipeline.timeline import render_timeline
 from tests.tools import load_tool
@@ -96,6 +96,29 @@ def check_common(schedule, m, v, result):
             if inst.op in ("send_forward", "recv_backward"):
                 assert not stage_last[inst.chunk]
     assert max(s.end for row in result.spans for s in row) == result.makespan
+
+
+def test_every_schedule_runs_each_chunks_forwards_in_micro_batch_order():
+    """The MoE global balance loss numbers a step's micro-batches in the order they reach a layer (``models.moe``):
+    micro-batch j must be the j-th forward of its chunk on every rank, in training and evaluation programs."""
+    checked = Counter()
+    for name in SCHEDULES:
+        for pp in range(1, 5):
+            for virtual_pp in (1, 2, 3):
+                for m in range(1, 10):
+                    for forward_only in (False, True):
+                        try:
+                            programs = build_schedule(name, pp, m, virtual_pp, forward_only)
+                        except ValueError:  # a combination the schedule does not take
+                            continue
+                        for program in programs:
+                            forwards = {}
+                            for inst in (i for step in program for i in computes_of(step) if i.op == "forward"):
+                                forwards.setdefault(inst.chunk, []).append(inst.microbatch)
+                            assert all(order == list(range(m)) for order in forwards.values()), \
+                                (name, pp, virtual_pp, m, forward_only, forwards)
+                        checked[name] += 1
+    assert set(checked) == set(SCHEDULES), checked
 
 
 @pytest.mark.parametrize("pp", range(1, 9))

@@ -20,8 +20,9 @@ from megatron_domino.models import LanguageModel, initialize_weights
 from megatron_domino.optim.grad_norm import model_grad_norm
 from megatron_domino.parallel import comm
 from megatron_domino.parallel.random import RNGTracker
-from megatron_domino.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, LayerContext, VocabParallelEmbedding,
-                                             shard, sharding_table, vocab_parallel_cross_entropy)
+from megatron_domino.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, LayerContext,
+                                             VocabParallelEmbedding, shard, sharding_table,
+                                             vocab_parallel_cross_entropy)
 from megatron_domino.tensor_parallel.sequence_parallel import sum_partial_grads_over_tp
 from tests.harness import run_ranks
 
@@ -175,7 +176,7 @@ def _train_steps(model, batches, steps=3, group=None):
     for step in range(steps):
         opt.zero_grad()
         batch = batches[step]
-        loss = (model(None, batch) * batch["weights"]).mean()  # weighed per token: the rows' order counts
+        loss = (model(None, batch)[..., 0] * batch["weights"]).mean()  # weighed per token: the rows' order counts
         loss.backward()
         # under SP these saw only this rank's slice of the sequence
         sum_partial_grads_over_tp([model], group, lambda param: param.grad)

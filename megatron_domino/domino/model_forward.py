@@ -29,8 +29,7 @@ def apply_domino(model, plan: DominoPlan) -> None:
     model.forward = functools.partial(domino_forward, model, plan=plan)  # the instance's, not the class's
 
 
-def domino_forward(model, input_tensor: torch.Tensor | None, batch: dict, return_logits: bool = False, *,
-                   plan: DominoPlan) -> torch.Tensor:
+def domino_forward(model, input_tensor: torch.Tensor | None, batch: dict, *, plan: DominoPlan) -> torch.Tensor:
     """The model's computation per mu-chunk in Domino's order (the arguments and result of its forward)."""
     batch_size = batch["tokens"].shape[0] if model.has_embedding else input_tensor.shape[0]
     rows, columns = plan.split_for(batch_size)
@@ -43,6 +42,6 @@ def domino_forward(model, input_tensor: torch.Tensor | None, batch: dict, return
     contexts = [context.rows(r, len(slices)) for r in slices]
     outputs = run_order(order, model.layers, [] if model.has_embedding else [input_tensor[r] for r in slices],
                         contexts, column_pieces=columns, embed=lambda c: model.embed_async(batch, slices[c]),
-                        head=lambda x, c: model.head(x, batch, slices[c], return_logits, contexts[c]),
+                        head=lambda x, c: model.head(x, batch, slices[c], contexts[c]),
                         taking=model.ctx.turns)
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

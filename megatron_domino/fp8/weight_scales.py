@@ -8,13 +8,13 @@ ZeRO-3, whose gathered weights are released within the step and whose buffers an
 
 A tensor-parallel weight's tensorwise scale needs its amax reduced with MAX over TP (``scaling``). Asked for
 at every use, that is one small all-reduce per linear, Domino μ-chunk, micro-batch and recomputed forward, each
-on the critical path of its GEMM. During a pipeline step (``fixed_for_the_step``, around the engine's run) the
-weights do not change, so the first weight-scale request of a block reads every TP-split FP8 weight of the
-block (attention's, MLA's, the dense MLP's and the shared experts'), reduces their amaxes in one all-reduce,
-and every later use in the step takes its scale from there: the same scales, bit for bit, as asking each time
-(MAX is exact). Outside a step (a model called directly) each use reduces its own, as before. Routed experts
-share one scaling for all their weights and keep the per-use reduction. NCCL: the first request comes from the
-same linear of the same block on every TP rank, since they run the same program.
+on the critical path of its GEMM. During a pipeline step (``fixed_for_the_step``, which the trainer holds around
+the engine's run) the weights do not change, so the first weight-scale request of a block reads every TP-split
+FP8 weight of the block (attention's, MLA's, the dense MLP's and the shared experts'), reduces their amaxes in
+one all-reduce, and every later use in the step takes its scale from there: the same scales, bit for bit, as
+asking each time (MAX is exact). Outside a step (a model called directly) each use reduces its own, as before.
+Routed experts share one scaling for all their weights and keep the per-use reduction. NCCL: the first request
+comes from the same linear of the same block on every TP rank, since they run the same program.
 """
 from __future__ import annotations
 

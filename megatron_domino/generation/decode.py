@@ -16,7 +16,7 @@ def next_logits(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     the cache then holds these tokens' too."""
     start = cache.length
     positions = torch.arange(start, start + tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
-    logits = model(None, {"tokens": tokens, "position_ids": positions, "kv_cache": cache}, return_logits=True)
+    logits = model.logits(None, {"tokens": tokens, "position_ids": positions, "kv_cache": cache})
     cache.advance(tokens.shape[1])
     return logits[:, -1]
 

@@ -74,8 +74,7 @@ def choice_log_likelihood(model, context: list[int], choice: list[int]) -> float
     device = next(model.parameters()).device
     tokens = torch.tensor([context + choice], dtype=torch.int64, device=device)
     positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0)
-    logits = model(None, {"tokens": tokens, "position_ids": positions, "kv_cache": KVCache(tokens.shape[1])},
-                   return_logits=True)
+    logits = model.logits(None, {"tokens": tokens, "position_ids": positions, "kv_cache": KVCache(tokens.shape[1])})
     scored = torch.log_softmax(logits[0, len(context) - 1:-1].float(), dim=-1)
     return scored.gather(1, tokens[0, len(context):].unsqueeze(1)).sum().item()  # the host reads each score
 

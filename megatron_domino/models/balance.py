@@ -18,13 +18,14 @@ sequences, so a piece's samples are a run of the set's (``add`` returns where it
 With ``model.moe_aux_loss_scope: global`` (Megatron's global_aux_loss) the balance loss's f_i is over more
 tokens: those of micro-batch j of every data-parallel rank (the DP-wide micro-batch: the counts are summed over
 dp x cp, ``count_group``), averaged with the step's earlier micro-batches 0..j (``earlier``: the layer's sets of
-this step, by index), P_i staying this rank's. Each DP rank then adds the gradient of its own tokens' P_i, and
-the sum over DP is that of E * sum_i f_i * P_i over the DP-wide micro-batch: the same for every TP, CP, Domino
-and pipeline layout, and at dp d equal to one process whose micro-batch j is the d ranks' j-th ones together.
-Only f_i changes: the z-loss is a mean (layout-free in any scope) and the sequence-wise loss stays per sequence.
+this step, numbered as they reach the layer: ``MoE.begin_step``), P_i staying this rank's. Each DP rank then adds
+the gradient of its own tokens' P_i, and the sum over DP is that of E * sum_i f_i * P_i over the DP-wide
+micro-batch: the same for every TP, CP, Domino and pipeline layout, and at dp d equal to one process whose
+micro-batch j is the d ranks' j-th ones together. Only f_i changes: the z-loss is a mean (layout-free in any
+scope) and the sequence-wise loss stays per sequence.
 
-The layer's contribution to the objective is ``weight`` per sample of the micro-batch (``TokenContext``: the
-engine's loss scale over micro-batches x DP ranks x samples) times (aux_coeff * balance + z_coeff * z-loss +
+The layer's contribution to the objective is ``weight`` per sample of the micro-batch (``MoE.begin_step``: the
+objective's loss scale over micro-batches x DP ranks x samples) times (aux_coeff * balance + z_coeff * z-loss +
 seq_coeff * sequence-wise balance).
 """
 from __future__ import annotations
@@ -38,8 +39,8 @@ from ..parallel import comm
 class BalanceSet:
     """One MoE layer's routing pieces of one micro-batch on this rank, and the CP ranks holding the rest.
 
-    The global scope is on when ``earlier`` is given (the layer's sets of this step, micro-batch index -> set,
-    this one included once it is made): the counts are summed over ``count_group`` (dp x cp) and averaged with
+    The global scope is on when ``earlier`` is given (the layer's sets of this step, micro-batch index -> set:
+    0..``index`` once this one is made): the counts are summed over ``count_group`` (dp x cp) and averaged with
     the step's earlier micro-batches up to ``index``."""
 
     def __init__(self, pieces: int, cp_group, topk: int, count_group=None, earlier: dict | None = None,
@@ -101,10 +102,6 @@ class BalanceSet:
         tokens = self.tokens * comm.group_size(self.cp_group)
         if self.earlier is None:
             return self._settled().total / (tokens * self.topk), tokens
-        missing = [i for i in range(self.index + 1) if i not in self.earlier]
-        if missing:
-            raise RuntimeError(f"an MoE layer's backward of micro-batch {self.index} ran before the forward of "
-                               f"micro-batch {missing[0]}: the global balance loss averages the step's earlier ones")
         every_rank = self.tokens * comm.group_size(self.count_group) * (self.index + 1)
         return self._running() / (every_rank * self.topk), tokens
 

@@ -3,6 +3,8 @@
 A ``LanguageModel`` holds one pipeline chunk: the embedding only where ``has_embedding``, the
 final norm, output head and loss (and the multi-token prediction modules, ``mtp.py``) only where
 ``has_head``, and exactly the blocks named in ``layer_ids``. Nothing of other stages is ever allocated.
+The last stage's forward returns per-token losses, which the objective (``loss.Objective``) masks, weighs and
+normalises; generation and scoring ask for the logits instead (``logits``).
 Parameters carry global names (``layers.<global index>...``) so checkpoints and initialisation do not depend on
 the layout.
 """
@@ -110,47 +112,54 @@ class LanguageModel(nn.Module):
         """(global layer index, layer) of this chunk's mixture-of-experts layers (MTP's after the main model's)."""
         return [(block.layer_number, block.mlp) for block in self.blocks() if isinstance(block.mlp, MoE)]
 
-    def reset_routing_stats(self) -> None:
-        """A training step begins: its MoE layers count their routing afresh (for the step's metrics and the
-        global balance loss)."""
+    def begin_step(self, aux_loss_weight: float) -> None:
+        """A training step begins (``loss.Objective``): the MoE layers weigh their auxiliary losses by
+        ``aux_loss_weight`` per sample and count their routing afresh (the step's metrics, the global balance
+        loss)."""
         for _, layer in self.moe_layers():
-            layer.stats.reset()
-            layer.step_sets.clear()
+            layer.begin_step(aux_loss_weight)
 
     # ----- forward ------------------------------------------------------------------------------
-    def forward(self, input_tensor: torch.Tensor | None, batch: dict, return_logits: bool = False) -> torch.Tensor:
-        """First stage: tokens -> hidden. Middle: hidden -> hidden. Last: -> per-token loss [b, s] (fp32).
+    def forward(self, input_tensor: torch.Tensor | None, batch: dict) -> torch.Tensor:
+        """First stage: tokens -> hidden. Middle: hidden -> hidden. Last: -> per-token losses [b, s, 1 + D]
+        (fp32, ``head``)."""
+        hidden, context = self._blocks_forward(input_tensor, batch)
+        return self.head(hidden, batch, slice(None), context) if self.has_head else hidden
 
-        ``return_logits`` makes the last stage return full-vocabulary logits [b, s, vocab] instead.
-        """
+    def logits(self, input_tensor: torch.Tensor | None, batch: dict) -> torch.Tensor:
+        """The last stage's full-vocabulary logits [b, s, vocab] (fp32), for generation and scoring (never under
+        Domino: a forward of its own)."""
+        if not self.has_head:
+            raise ValueError("LanguageModel.logits: this chunk holds no output head (has_head is False)")
+        hidden, _ = self._blocks_forward(input_tensor, batch)
+        logits = column_parallel_linear(self.final_norm(hidden), self.output_weight(), None, self.ctx)
+        return comm.gather_from_tp(logits, self.ctx.group)[..., :self.cfg.vocab_size].float()
+
+    def _blocks_forward(self, input_tensor: torch.Tensor | None, batch: dict) -> tuple[torch.Tensor, TokenContext]:
+        """The embedding (first stage) and this chunk's blocks: (hidden state, the tokens' context)."""
         hidden = input_tensor
         if self.has_embedding:
             hidden = self._embedding_tail(self.embedding.word_embeddings(batch["tokens"]), batch, slice(None))
         context = self.token_context(batch, hidden.shape[0])
         for block in self.layers:
             hidden = block(hidden, context)
-        return self.head(hidden, batch, slice(None), return_logits, context) if self.has_head else hidden
+        return hidden, context
 
     def token_context(self, batch: dict, batch_size: int) -> TokenContext:
-        """The tokens' context for every block: rotary tables, document offsets, the step's auxiliary loss
-        weight (``batch["aux_loss_weight"]``, set by the pipeline engine; 1 elsewhere), a fresh place for
-        the MoE layers' balance sets of this micro-batch, and in generation the KV cache (``batch["kv_cache"]``,
-        with the new tokens' absolute positions in ``batch["position_ids"]``)."""
+        """The tokens' context for every block: rotary tables, document offsets, a fresh place for the MoE
+        layers' balance sets of this micro-batch, and in generation the KV cache (``batch["kv_cache"]``, with
+        the new tokens' absolute positions in ``batch["position_ids"]``)."""
         rotary = (rotary_tables(self._position_ids(batch, batch_size), self.inv_freq, self.rotary_scale)
                   if self.cfg.position_embedding == "rope" else None)
-        return TokenContext(rotary, batch.get("doc_offsets"), batch.get("aux_loss_weight", 1.0), balance={},
-                            cache=batch.get("kv_cache"), microbatch=batch.get("microbatch_index"))
+        return TokenContext(rotary, batch.get("doc_offsets"), balance={}, cache=batch.get("kv_cache"))
 
-    def head(self, hidden: torch.Tensor, batch: dict, rows: slice, return_logits: bool,
-             context: TokenContext = NO_CONTEXT) -> torch.Tensor:
-        """Final norm, output layer and the per-token loss [b, s] (or the logits) of the samples ``rows``; with
-        MTP, [b, s, 1 + D]: the next token's loss, then each depth's (``context``: the rows' token context)."""
-        if return_logits:
-            logits = column_parallel_linear(self.final_norm(hidden), self.output_weight(), None, self.ctx)
-            return comm.gather_from_tp(logits, self.ctx.group)[..., :self.cfg.vocab_size].float()
+    def head(self, hidden: torch.Tensor, batch: dict, rows: slice, context: TokenContext = NO_CONTEXT) -> torch.Tensor:
+        """Final norm, output layer and the per-token losses [b, s, 1 + D] of the samples ``rows``: the next
+        token's loss, then each MTP depth's (D = model.mtp_num_layers, unmasked; ``context``: the rows' token
+        context)."""
         loss = self._token_loss(self.final_norm(hidden), batch["labels"][rows])
         if not hasattr(self, "mtp"):
-            return loss
+            return loss.unsqueeze(-1)
         embed = lambda tokens: self._embed_again(tokens, batch, rows)  # noqa: E731
         return torch.stack([loss] + self.mtp(hidden, batch, rows, context, embed, self._token_loss), dim=-1)
 

@@ -32,11 +32,14 @@ tp and its gradient sums over TP. Under SP the router reads this rank's slice (i
 Auxiliary losses reach the gradient without a change to the pipeline (as Megatron does):
 ``balance.AttachLosses`` is the identity on the gates and in backward seeds the losses' gradient. They are
 defined over the micro-batch, whichever layout routes it in pieces (Domino's mu-chunks, CP ranks:
-``balance``). Their weight in the objective: the engine gives each step's micro-batches ``aux_loss_weight`` =
-loss_scale / (num_microbatches * dp * micro_batch), which reaches this layer in the ``TokenContext``, so the
-objective is the LM loss (token mean over the global batch) plus the auxiliary losses averaged over
-micro-batches and data-parallel ranks. The capacity, unlike the losses, is per routing piece (a mu-chunk or a
-CP rank's tokens route with their own capacity).
+``balance``). Their weight in the objective comes by one path, once per training step: the objective
+(``loss.Objective``) calls ``begin_step`` with loss_scale / (num_microbatches * dp * micro_batch) per sample,
+so the objective is the LM loss (token mean over the global batch) plus the auxiliary losses averaged over
+micro-batches and data-parallel ranks. ``begin_step`` also starts the step's routing statistics and (global
+scope) its balance sets afresh, which number the micro-batches in the order they reach the layer: their order
+in the step, since every schedule runs a chunk's forwards in micro-batch order. Outside a step (a model called
+directly) the weight is 1 and each micro-batch's losses stand alone. The capacity, unlike the losses, is per
+routing piece (a mu-chunk or a CP rank's tokens route with their own capacity).
 """
 from __future__ import annotations
 
@@ -72,7 +75,6 @@ class Routed:
     exchange: ExpertExchange  # where those rows go and how they come back
     hidden: torch.Tensor  # fc1 + activation of the rows the local experts received, grouped by expert [n, ffn / tp]
     shared: torch.Tensor | None  # the shared experts' activations [b, s, shared ffn / tp]
-    aux_loss_weight: float  # the step's weight of the auxiliary losses per sample (``TokenContext``)
     balance: BalanceSet  # the micro-batch's routing pieces of this layer
 
 
@@ -117,7 +119,8 @@ class MoE(nn.Module):
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.seq_coeff = cfg.moe_seq_aux_loss_coeff
         self.global_scope = cfg.moe_aux_loss_scope == "global"
-        self.step_sets: dict[int, BalanceSet] = {}  # the global scope: this step's sets by micro-batch index
+        self.aux_loss_weight = 1.0  # the step's weight of the auxiliary losses per sample (``begin_step``)
+        self.step_sets: dict[int, BalanceSet] | None = None  # global scope: this step's sets by micro-batch index
         self.router = nn.Module()
         declare(self.router, "weight", make_param((cfg.num_experts, cfg.hidden_size), ctx),
                 ParamInfo(None, "normal", cfg.init_std, grad_sums_over_tp=ctx.sequence_parallel))
@@ -151,6 +154,12 @@ class MoE(nn.Module):
                                if cfg.moe_shared_experts else None)
         self.stats = MoEStats(cfg.num_experts, ctx.device)
 
+    def begin_step(self, aux_loss_weight: float) -> None:
+        """A training step begins: weigh the auxiliary losses by ``aux_loss_weight`` per sample, count the routing
+        afresh and (global scope) number the micro-batches from 0."""
+        self.aux_loss_weight, self.step_sets = aux_loss_weight, {}
+        self.stats.reset()
+
     def hidden(self, x: torch.Tensor, context: TokenContext = NO_CONTEXT) -> Routed:
         """Route this rank's [b, s(/tp under SP), h] tokens and run every expert's first half on its tokens."""
         group = self.ctx.group
@@ -176,18 +185,18 @@ class MoE(nn.Module):
                              [expert.fc1 for expert in self.experts.values()], self.grouped_gemm)
         hidden = next(iter(self.experts.values())).activate(fc1)
         shared = self.shared_experts.hidden(x) if self.shared_experts is not None else None
-        return Routed(shape, routing, assignments, token_ids, exchange, hidden, shared, context.aux_loss_weight,
-                      self._balance_set(context))
+        return Routed(shape, routing, assignments, token_ids, exchange, hidden, shared, self._balance_set(context))
 
     def _balance_set(self, context: TokenContext) -> BalanceSet:
         """The set of tokens this call's losses are defined over (``balance``)."""
         if context.balance is None:  # no micro-batch around this call: its tokens are the whole set
             return BalanceSet(1, self.ctx.cp_group, self.topk)
         if id(self) not in context.balance:  # else a recomputed forward: the set its first forward made
-            if self.global_scope and context.microbatch is not None and torch.is_grad_enabled():
+            if self.global_scope and self.step_sets is not None and torch.is_grad_enabled():
+                index = len(self.step_sets)  # the step's next micro-batch
                 balance = BalanceSet(context.pieces, self.ctx.cp_group, self.topk, self.ctx.balance_group,
-                                     self.step_sets, context.microbatch)
-                self.step_sets[context.microbatch] = balance
+                                     self.step_sets, index)
+                self.step_sets[index] = balance
             else:
                 balance = BalanceSet(context.pieces, self.ctx.cp_group, self.topk)
             context.balance[id(self)] = balance
@@ -213,7 +222,7 @@ class MoE(nn.Module):
                 sequence_counts = one_hot.view(b, -1, self.num_experts).sum(dim=1)
                 sequence_probs = routing.probs.view(b, -1, self.num_experts).sum(dim=1)
             first = routed.balance.add(routing.counts, routing.tokens, b, sequence_counts)
-            weight = routed.aux_loss_weight / tp
+            weight = self.aux_loss_weight / tp
             record = functools.partial(self.stats.add_losses, routing.tokens)
             coeffs = (self.aux_coeff * weight, self.z_coeff * weight, self.seq_coeff * weight)
             gates = AttachLosses.apply(gates, routing.prob_sums, routing.z_sum, sequence_probs, routed.balance, first,

@@ -11,8 +11,10 @@ The token shifts are made on whole samples before any split (``with_mtp_targets`
 before context parallelism's split), so CP and TP ranks see the right tokens: depth k's input token and label at
 position t are the sample's token and label at t + k, and its loss mask is the main mask at t + k, zero where
 t + k leaves the sample or (packed documents) t's document. Each depth's loss is normalised by the global count
-of the main loss's tokens, the engine's own denominator over every DP and CP rank (Megatron's issue #7452 found
-MTP losses normalised by local counts), and the loss adds ``mtp_loss_scale / D`` times their sum.
+of the main loss's tokens, the objective's own denominator over every DP and CP rank (``loss.Objective``;
+Megatron's issue #7452 found MTP losses normalised by local counts), and the loss adds ``mtp_loss_scale / D``
+times their sum. The last stage hands the objective every depth's per-token loss after the main one's
+(``LanguageModel.head``, [b, s, 1 + D]).
 
 TP: the projection is replicated (2h² weights) and applied to the rank's tokens (under SP its slice, so its
 gradient sums over TP like the norms'). The block is an ordinary one (TP, SP, the CP ring, recompute, experts);
@@ -72,7 +74,7 @@ class MultiTokenPrediction(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: dict, rows: slice, context: TokenContext, embed,
                 token_loss) -> list[torch.Tensor]:
-        """Each depth's per-token loss [b, s] (unmasked: the engine applies ``mtp_mask``). ``embed(tokens)``: the
+        """Each depth's per-token loss [b, s] (unmasked: the objective applies ``mtp_mask``). ``embed(tokens)``: the
         main model's embedding in the hidden state's layout; ``token_loss(x, labels)``: its output head's loss."""
         losses = []
         for k, module in enumerate(self.layers):

@@ -8,9 +8,8 @@ never for the side stream as a whole (which would include i + 1's copy, queued a
 micro-batches stay on the device (an interleaved schedule that comes back to an evicted one copies it
 again). On the CPU the "copy" is the tensor itself.
 
-``doc_offsets`` (``HOST_KEYS``, with the step's ``aux_loss_weight`` and ``microbatch_index``, Python numbers)
-stay in host memory: document attention reads their values on the host to slice each document out of q/k/v,
-every layer. From a device copy each of those reads would stall the host
+``doc_offsets`` (``HOST_KEYS``) stay in host memory: document attention reads their values on the host to slice
+each document out of q/k/v, every layer. From a device copy each of those reads would stall the host
 until the device caught up (a sync per layer and micro-batch); they are a few integers per sample anyway.
 """
 from __future__ import annotations
@@ -23,7 +22,7 @@ import torch
 from ..parallel.device import cuda, to_device
 
 # batch entries the host reads: never copied to the device
-HOST_KEYS = frozenset({"doc_offsets", "aux_loss_weight", "microbatch_index"})
+HOST_KEYS = frozenset({"doc_offsets"})
 
 
 class DeviceBatches(Sequence):

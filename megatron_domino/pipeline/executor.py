@@ -51,7 +51,7 @@ class PipelineExecutor:
     def __init__(self, chunks: list, stage: StageContext, p2p: P2P, *,
                  loss_fn: Callable, on_backward: Callable[[bool], None] | None = None,
                  overlap_units: torch.device | None = None, turn_taking=None):
-        """``loss_fn(per_token_loss, batch) -> (loss_to_backprop, detached loss sum)`` on the last stage;
+        """``loss_fn(output, batch) -> (tensor to backpropagate, detached value)`` on the last stage;
         ``on_backward(is_last)`` is called before every backward, B, I and W, all of which may produce weight
         gradients (B under Domino: ``split_backward``), with whether it is the last of its kind (the DP
         gradient sync's hook). ``overlap_units``: the device on which F&B units run their halves in turns
@@ -74,7 +74,8 @@ class PipelineExecutor:
         return self.stage.v_shape and chunk == 0 and self.stage.pp_rank == self.stage.pp - 1
 
     def run(self, schedule: list, microbatches: list[dict]) -> list[torch.Tensor]:
-        """Execute ``schedule``; returns the detached loss sums of the micro-batches whose loss lives here."""
+        """Execute ``schedule``; returns the detached values ``loss_fn`` gave for the micro-batches whose loss
+        lives here."""
         self._inputs, self._outputs, self._grads_in, self._grads_out, losses = {}, {}, {}, {}, []
         self._weights = {}  # (chunk, micro-batch) -> what its W needs
         computes = [inst for step in schedule for inst in computes_of(step)]
@@ -203,8 +204,8 @@ class PipelineExecutor:
         batch = microbatches[instruction.microbatch] if microbatches else {}
         output = chunk(input_tensor, batch)
         if self._stage_of(instruction.chunk) == self.num_stages - 1:
-            output, loss_sum = self.loss_fn(output, batch)
-            losses.append(loss_sum)
+            output, value = self.loss_fn(output, batch)
+            losses.append(value)
         return output
 
     def describe(self) -> str:

@@ -1,8 +1,8 @@
 """The dispatch mode a rehearsal runs under, above torch's ``FakeTensorMode``: every op passes here first.
 
 Per op, in order: page-locked memory for fake host tensors (``pin_memory``, ``is_pinned``); the host-sync
-check; the device of every tensor a collective is given; host reads answered from shadows (``shadows.py``); ops on real host tensors only (the data
-pipeline's), and small host tensors made from nothing, run for real, so host-side values stay exact
+check; the device of every tensor a collective is given; host reads answered from shadows (``shadows.py``); ops
+on real host tensors only (the data pipeline's), and small host tensors made from nothing, run for real, so host-side values stay exact
 (large host tensors, such as a full-size weight before it is sharded, stay fake); data-dependent shapes
 sized from shadows; then the op itself on fake tensors, the shadows it propagates, the collectives it
 issues and the storages it allocates.

@@ -18,7 +18,7 @@ class DataFeed:
     def __init__(self, cfg, state, engine, watchdog):
         train, data = cfg.train, cfg.data
         self.state, self.num_microbatches = state, engine.num_microbatches
-        self.mtp_depth = engine.mtp_depth if engine.holds_loss else 0  # MTP's shifts, on whole samples
+        self.mtp_depth = cfg.model.mtp_num_layers if engine.holds_loss else 0  # MTP's shifts, on whole samples
         self.global_batch_size, self.consumed = train.global_batch_size, 0
         eval_samples = train.eval_iters * train.global_batch_size
         evaluations = (train.steps // train.eval_interval + 1) if train.eval_interval else 1

@@ -85,7 +85,10 @@ class TrainingSamples:
         for stage, (owner, index) in enumerate(self.stages):
             mine = self.state.pp_rank == owner
             last = stage == len(self.stages) - 1
-            output = LanguageModel.forward(self.chunks[index], hidden, batch, return_logits=last) if mine else None
+            output = None
+            if mine:  # the class's forward: the instance's may be Domino's, which would split the one sample
+                chunk = self.chunks[index]
+                output = chunk.logits(hidden, batch) if last else LanguageModel.forward(chunk, hidden, batch)
             if last:
                 if mine:
                     token = output[0, length - 1, :self.tokenizer.vocab_size].argmax(-1, keepdim=True)

@@ -15,11 +15,13 @@ import torch.distributed as dist
 
 from ..config.loader import save_config
 from ..fp8.state import end_step as fp8_end_step
+from ..fp8.weight_scales import fixed_for_the_step
 from ..models.counters import flops_per_token
 from ..models.expert_bias import update_expert_biases
 from ..models.language_model import WORD_EMBEDDINGS
 from ..models.logit_max import trackers as logit_trackers
 from ..models.stage_chunks import build_chunks
+from ..loss import Objective
 from ..optim import LRSchedule
 from ..optim.distributed_optimizer import DistributedOptimizer
 from ..parallel import Topology, init_distributed
@@ -86,9 +88,13 @@ class Trainer:
         if cfg.optimizer.muon_qk_clip is not None:
             self.optimizer.clip_logits(logit_trackers(self.chunks))
         self.lr_schedule = LRSchedule.from_config(cfg.optimizer, train.steps)
+        microbatches = train.num_microbatches(self.state.dp_size)
+        self.objective = Objective(cfg, self.state, self.chunks, num_microbatches=microbatches, device=self.device)
         self.engine = PipelineEngine(self.chunks, self.state, cfg, device=self.device, dtype=self.dtype,
-                                     num_microbatches=train.num_microbatches(self.state.dp_size),
+                                     num_microbatches=microbatches, loss=self.objective,
                                      on_backward=self.optimizer.begin_backward)
+        # a step's weights stay as they are: FP8's copies and scales made once (ZeRO-3 releases gathered weights)
+        self.weights_fixed = lambda: fixed_for_the_step(self.chunks, keep_copies=cfg.optimizer.zero_stage != 3)
         writer = self.engine.holds_loss and self.state.tp_rank == self.state.dp_rank == self.state.cp_rank == 0
         self.metrics, self.timers, self.profile, self.oom, self.stragglers = build_instruments(
             cfg, self.state, self.device, writer)
@@ -177,14 +183,14 @@ class Trainer:
         self.lr_schedule.step()
         self.step += 1
         self.data.count_step()
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "mtp_loss": self.engine.mtp_loss,
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "mtp_loss": self.objective.mtp_loss,
                 "bad_step": self.guard.problem if self.guard is not None else None}
 
     def _attempt(self, microbatches: list[dict], lr: float) -> tuple:
         """Forward, backward and the update of this step (not applied if the guard refuses it): (loss, gradient
         norm)."""
         self.optimizer.zero_grad()
-        with self.status("forward-backward", timer="forward-backward"):
+        with self.status("forward-backward", timer="forward-backward"), self.weights_fixed():
             if self.stragglers is not None:
                 self.stragglers.start(self.step + 1)
             loss = self.engine.forward_backward(microbatches, self.optimizer.loss_scale)
@@ -210,7 +216,7 @@ class Trainer:
         iters, records = self.cfg.train.eval_iters, []
         for name in sets:
             steps = self.data.validation_steps(iters, name)
-            with self.status("evaluation"):
+            with self.status("evaluation"), self.weights_fixed():
                 loss = (sum(self.engine.evaluate(batches) for batches in steps) / iters).item()
             record = {"step": self.step, "split": "valid", "loss": loss, "ppl": math.exp(min(loss, 50.0))}
             where = "validation" if name is None else f"validation on {name}"
