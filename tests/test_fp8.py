@@ -178,6 +178,7 @@ def test_bad_fp8_configs_are_refused_before_any_process_group_starts(monkeypatch
     assert "has no float8 dtypes" in _refused(dict(fp8="blockwise", fp8_block_size=8))  # what blockwise needs
 
 
+@pytest.mark.slow  # an inductor compile: half a minute, out of the quick tier
 def test_compiled_casts_equal_eager_ones_bit_for_bit():
     """model.compile: the amaxes and casts run as compiled kernels and give the same FP8 products."""
     x, w, g = _operands(seed=1)
