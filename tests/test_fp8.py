@@ -16,8 +16,6 @@ from megatron_domino.tensor_parallel.async_comm import column_linear_async, row_
 from megatron_domino.validation import validate_config
 from tests.test_pipeline import GPT
 
-pytestmark = pytest.mark.quick
-
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 BLOCK = 8
 

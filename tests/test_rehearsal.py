@@ -5,8 +5,8 @@
    peak within 10% of the planner's estimate, and inside the H100's 80 GB with the planner's fixed overhead. The
    tests rehearse the first two and the last pipeline stage of each (``--stages outer``; the middle stages differ
    from the second only in the micro-batches they hold in flight); ``tools/rehearse.py`` does every stage by default,
-   and benchmarks/reports/2026-12-04-rehearsal.md comes from such runs. CI rehearses ``REPRESENTATIVE``; the sweep
-   tier (``pytest -m sweep``, tests/conftest.py) the other shipped configs.
+   and benchmarks/reports/2026-12-04-rehearsal.md comes from such runs. The default run rehearses ``REPRESENTATIVE``;
+   the sweep tier (``pytest -m sweep``, tests/conftest.py; CI runs both) the other shipped configs.
 2. The layouts of the parity tests, tiny: zero host syncs but the by-design ones, which are found where
    docs/design/nccl-rules.md says (fp16's overflow check, MoE token counts, the bad-step guard).
 """
