@@ -33,11 +33,8 @@ INTRO = """\
 # Configuration reference
 
 Generated from `megatron_domino/config/schema.py` by `python tools/config_reference.py`; do not edit by hand.
-Every key below is `section.key`. A run reads one YAML file and then the overrides on its command line:
-
-```bash
-python pretrain_gpt.py --config configs/tiny/gpt.yaml train.steps=50 parallel.tp=2 'data.path=[data/my_text_document]'
-```
+Every key below is `section.key`. A run reads one YAML file and then the overrides on its command line, e.g.
+`python pretrain_gpt.py --config configs/tiny/gpt.yaml train.steps=50 'data.path=[data/my_text_document]'`.
 
 - **Files.** A config holds the sections below as top-level mappings. `include: base.yaml` (or a list) names other
   files, relative to the including file; they are merged in order, then the file's own keys go on top. Mappings
@@ -49,8 +46,7 @@ python pretrain_gpt.py --config configs/tiny/gpt.yaml train.steps=50 parallel.tp
   reported together. `--dry-run` runs the same checks for a world size you do not have yet.
 - **What a run used.** A run writes its resolved config, every key, to `<log.dir>/config.yaml`, which `--config`
   reads back; a checkpoint's metadata keeps it too.
-
-Types: "or null" means the key may be unset (`null`); the meaning says what unset does.
+- **Types.** "or null" means the key may be unset (`null`); the meaning says what unset does.
 """
 
 
