@@ -20,7 +20,7 @@ from megatron_domino.fp8 import native_blockwise
 from tests.cublas_blockwise import tile_reads, v1_checks, v2_checks
 from tests.fake_cuda import on_fake_cuda
 
-pytestmark = pytest.mark.quick
+pytestmark = pytest.mark.slow  # every shipped config walked on the fake device: out of the quick tier
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(path for path in glob.glob(os.path.join(REPO, "configs", "*", "*.yaml"))
                  if not path.endswith("base.yaml") and "/tiny/" not in path)
