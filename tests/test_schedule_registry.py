@@ -58,13 +58,12 @@ def test_a_schedule_in_one_new_module_is_seen_everywhere(gpipe, capsys):
     from megatron_domino.planner.search import schedule_choices
     from megatron_domino.rehearsal.rehearse import fewest_microbatches
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    sys.path.insert(0, os.path.join(REPO, "tools"))
     try:
         import pipeline_theory
-        from draw_schedules import pipeline_svg
         importlib.reload(pipeline_theory)  # its tables are read from the registry when it is imported
     finally:
-        sys.path[:2] = []
+        sys.path.remove(os.path.join(REPO, "benchmarks"))
+    pipeline_svg = load_tool("draw_schedules").pipeline_svg
     cfg = _cfg(["parallel.pipeline_schedule=gpipe"])
     assert "gpipe" in schedules.names() and validate_config(cfg, world_size=2, check_paths=False) is not None
     programs = schedules.build_schedule("gpipe", 4, 8)
