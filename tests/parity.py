@@ -1,7 +1,12 @@
 """A parallel run against its one-process reference: SGD steps through the engine, full weights, compared within TOL."""
+from contextlib import nullcontext
+from dataclasses import replace
+from unittest.mock import patch
+
 import torch
 
 from megatron_domino.config import Config
+from megatron_domino.fp8.scaling import Fp8Recipe
 from megatron_domino.fp8.state import end_step as fp8_end_step
 from megatron_domino.fp8.weight_scales import fixed_for_the_step
 from megatron_domino.loss import Objective
@@ -11,8 +16,10 @@ from megatron_domino.models.full_state import gather_full
 from megatron_domino.models.language_model import WORD_EMBEDDINGS
 from megatron_domino.models.logit_max import trackers as logit_trackers
 from megatron_domino.optim.distributed_optimizer import DistributedOptimizer
+from megatron_domino.optim.low_precision import DTYPES
 from megatron_domino.parallel import ParallelState, Topology
 from megatron_domino.parallel.random import RNGTracker
+from megatron_domino.tensor_parallel import LayerContext
 from megatron_domino.models.stage_chunks import build_chunks
 from megatron_domino.pipeline.engine import PipelineEngine
 from megatron_domino.pipeline.finalize_grads import finalize_grads
@@ -75,16 +82,19 @@ def assert_covered(where, compared_per_rank: list[dict], ref_names) -> None:
 
 
 def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, check_engine=None, norms=None,
-                counters=None):
+                counters=None, dtype=torch.float32):
     """SGD steps of ``cfg``'s layout through the pipeline engine, ZeRO buffers and finalize_grads, as the trainer
     runs them, then the expert biases' update (dropout drawing from streams seeded as the trainer's):
     ``steps_of_microbatches(state)`` yields this rank's micro-batches per step. Returns the losses and the full
     weights (and appends each step's gradient norm to ``norms``, the optimizer to ``counters``); the layout's groups
-    are destroyed afterwards."""
+    are destroyed afterwards. ``dtype``: the weights' and activations' (fp64 for an experiment: tests of drift)."""
     ps = ParallelState(Topology.from_config(cfg.parallel, world_size), strict=True)
     rng = RNGTracker.seeded(cfg.train.seed, ps.tp_rank, ps.pp_rank)  # dropout's streams, as the trainer seeds them
-    chunks = build_chunks(cfg, ps, chunk_places(cfg, ps.pp_rank), init_seed=3, rng=rng)
-    optimizer = DistributedOptimizer.for_layout(chunks, optimizer_config, ps, bucket_alone=(WORD_EMBEDDINGS,))
+    chunks = build_chunks(cfg, ps, chunk_places(cfg, ps.pp_rank), dtype=dtype, init_seed=3, rng=rng)
+    fp64 = dtype == torch.float64  # an experiment's precision (no config chooses it): fp64 gradients and masters
+    with patch.dict(DTYPES, fp32=dtype) if fp64 else nullcontext():
+        optimizer = DistributedOptimizer.for_layout(
+            chunks, replace(optimizer_config, accumulate_grads_in_fp32=not fp64), ps, bucket_alone=(WORD_EMBEDDINGS,))
     if optimizer_config.muon_qk_clip is not None:
         optimizer.clip_logits(logit_trackers(chunks))
     if counters is not None:
@@ -93,7 +103,7 @@ def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, ch
     for micro in steps_of_microbatches(ps):
         if engine is None:
             objective = Objective(cfg, ps, chunks, num_microbatches=len(micro), device=torch.device("cpu"))
-            engine = PipelineEngine(chunks, ps, cfg, device=torch.device("cpu"), dtype=torch.float32,
+            engine = PipelineEngine(chunks, ps, cfg, device=torch.device("cpu"), dtype=dtype,
                                     num_microbatches=len(micro), loss=objective, on_backward=optimizer.begin_backward)
             if check_engine is not None:
                 check_engine(engine)
@@ -112,13 +122,14 @@ def train_steps(world_size, cfg, optimizer_config, steps_of_microbatches, lr, ch
     return losses, weights
 
 
-def reference_steps(model_config, batches, lr, micro_batch=None, optimizer=None, counters=None):
+def reference_steps(model_config, batches, lr, micro_batch=None, optimizer=None, counters=None, dtype=torch.float32):
     """One process, the whole batch, plain SGD over ``batches`` (dicts with a loss_mask), then the expert biases'
     update: the loss of every step and the final weights. ``micro_batch``: forward in micro-batches of that many
     samples, the MoE auxiliary losses of each over its tokens (or, in the global scope, with the step's earlier ones)
     and averaged over them, as the engine weighs them. ``optimizer`` (an OptimizerConfig): that optimizer on one
-    process instead of SGD (its ``DistributedOptimizer``, appended to ``counters`` when given)."""
-    dense = LanguageModel(model_config)
+    process instead of SGD (its ``DistributedOptimizer``, appended to ``counters`` when given). ``dtype``: the
+    weights' (initialised in fp32 as the layouts' are)."""
+    dense = LanguageModel(model_config, LayerContext(dtype=dtype, fp8=Fp8Recipe.from_model(model_config)))
     initialize_weights(dense, seed=3)
     dopt = DistributedOptimizer([dense], optimizer, dp_group=None, tp_rank=0, norm_groups=[]) if optimizer else None
     if optimizer is not None and optimizer.muon_qk_clip is not None:

@@ -32,9 +32,10 @@ class Norm(nn.Module):
                 ParamInfo(None, "zeros", grad_sums_over_tp=sp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias.float() if self.bias is not None else None
+        work = torch.promote_types(x.dtype, torch.float32)  # 16-bit inputs normalised in fp32, fp64 as is
+        bias = self.bias.to(work) if self.bias is not None else None
         if self.kind == "layernorm":
-            out = F.layer_norm(x.float(), (self.hidden_size,), self.weight.float(), bias, self.eps)
+            out = F.layer_norm(x.to(work), (self.hidden_size,), self.weight.to(work), bias, self.eps)
         else:
-            out = F.rms_norm(x.float(), (self.hidden_size,), self.weight.float(), self.eps)
+            out = F.rms_norm(x.to(work), (self.hidden_size,), self.weight.to(work), self.eps)
         return out.to(x.dtype)

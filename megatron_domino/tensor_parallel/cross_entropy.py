@@ -20,7 +20,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         tp = comm.group_size(group)
         tp_rank = comm.group_rank(group)
         start, end = vocab_range(logits.shape[-1] * tp, tp_rank, tp)
-        logits = logits.float()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # 16-bit logits in fp32, fp64 as is
         if end > vocab_size:  # this rank holds padding columns (known without looking at the device)
             padded_columns = torch.arange(start, end, device=logits.device) >= vocab_size
             logits = logits.masked_fill(padded_columns, float("-inf"))
@@ -53,5 +53,5 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int, group) -> torch.Tensor:
-    """Per-token loss [..] (fp32) from this rank's logits [.., padded_vocab / tp]."""
+    """Per-token loss [..] (fp32, or fp64 from fp64 logits) from this rank's logits [.., padded_vocab / tp]."""
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, group)
