@@ -13,6 +13,7 @@ import domino  # noqa: E402
 import memory  # noqa: E402
 import pipeline  # noqa: E402
 import plain_pytorch_gpt as plain  # noqa: E402
+import planner_generated  # noqa: E402
 from common import MODEL_FLAGS, forward_flags  # noqa: E402
 from spans import SpanRecorder  # noqa: E402
 
@@ -97,3 +98,19 @@ def test_checkpoint_small_preset_reaches_the_worker_and_the_table_takes_the_slow
              {"variant": "new async", "blocking_s": 2.0, "total_s": 2.5, "load_s": 0.25, "peak_bytes": 3 * mib,
               "before_bytes": 1 * mib, "own_bytes": 4 * mib}]
     assert checkpoint.summarize(ranks) == [["new async", "2.00", "3.00", "0.50", "5 / 4", "4 / 3", "4 / 3"]]
+
+
+@pytest.mark.slow  # about 10 s of layout searches
+def test_generated_layouts_are_valid_reproducible_and_span_the_schedules():
+    """benchmarks/planner_generated.py's draws: the same for a seed, each family's, each config valid at its world
+    size, and (over a few seeds) pipelines with one chunk and with several, and ZeRO stages beyond 1."""
+    from megatron_domino.config.loader import load_config
+    from megatron_domino.validation import validate_config
+    specs = planner_generated.generated_layouts(1, 2, 8)
+    assert specs == planner_generated.generated_layouts(1, 2, 8)
+    assert [path for path, _, _ in specs] == [path for path in planner_generated.FAMILIES for _ in range(2)]
+    for path, world, overrides in specs:
+        validate_config(load_config(os.path.join(planner_generated.REPO, path), overrides), world, check_paths=False)
+    drawn = [o for seed in range(3) for _, _, overrides in planner_generated.generated_layouts(seed, 2, 8)
+             for o in overrides]
+    assert {"parallel.virtual_pp=1", "parallel.virtual_pp=2", "optimizer.zero_stage=3"} <= set(drawn)

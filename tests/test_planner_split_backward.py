@@ -17,7 +17,7 @@ from megatron_domino.pipeline.split_backward import backward_input
 from megatron_domino.planner.hardware import get_gpu
 from megatron_domino.planner.held_gradients import chunk_held_bytes
 from megatron_domino.planner.memory import estimate_stages
-from megatron_domino.planner.pipeline_model import held_gradients, in_flight, v_states
+from megatron_domino.planner.pipeline_model import chunk_states, held_gradients, in_flight
 from megatron_domino.tensor_parallel import LayerContext
 from tests.fake_cuda import REPO, on_fake_cuda
 
@@ -90,9 +90,9 @@ def test_held_count_matches_the_simulator(kind, pp, m, v):
     if kind in ("zb-h1", "zb-v"):
         assert at_peak == peaks
     if kind in V_KINDS:  # the states the memory estimate weighs reach the same peaks
-        states = v_states(kind, pp, m)
-        assert [max(a0 + a1 for a0, a1, _, _ in s) for s in states] == in_flight(cfg, 1)
-        assert [max(h0 + h1 for _, _, h0, h1 in s) for s in states] == peaks
+        states = chunk_states(kind, pp, m, 2)
+        assert [max(a0 + a1 for a0, a1, *_ in s) for s in states] == in_flight(cfg, 1)
+        assert [max(h0 + h1 for _, _, h0, h1, _ in s) for s in states] == peaks
 
 
 def _expected_held_per_token(cfg, layers: int, last: bool) -> float:
@@ -150,7 +150,7 @@ def _rehearse_split(config: str, overrides: list[str]) -> list[list[float]]:
 @pytest.mark.parametrize("kind", ["zb-h1", "zb-v", "dualpipev"])
 def test_a_split_backward_rehearsal_is_within_the_planner(kind):
     """GPT 125M at pp 2, m 4, on fake CUDA at full size: each rank's measured peak within 5% of the plan (the V's
-    rank 0 included: its first and last stages are weighed apart, ``pipeline_model.v_states``)."""
+    rank 0 included: its first and last stages are weighed apart, ``pipeline_model.chunk_states``)."""
     roles = on_fake_cuda("tests.test_planner_split_backward:_rehearse_split", "configs/gpt/125m.yaml",
                          ["parallel.pp=2", f"parallel.pipeline_schedule={kind}", "train.global_batch_size=32"],
                          timeout=300)

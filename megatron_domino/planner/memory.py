@@ -25,13 +25,13 @@ Mixture of experts: a rank holds its ep share of the experts, whose ZeRO shards 
 
 Activations per token: ``planner/activations.py``, tensor by tensor for this code.
 
-In flight (``pipeline_model.in_flight``, the simulator's peaks): micro-batches, or chunk-micro-batches with several
-chunks per rank, each sized by the rank's largest chunk. A split backward (zero-bubble schedules) also holds the
-gradients its I records until its W (``held_gradients.py``): ``pipeline_model.held_gradients`` chunk-micro-batches
-of them, added to the activations' peak (they coincide under ZB-H1). Under the V (ZB-V, DualPipeV) each rank's
-chunks are weighed apart, state by state of its order (``pipeline_model.v_states``): rank 0's are the first stage
-and the last, with the head's logits. ZB-H1's and ZB-V's loss forward sees one held gradient fewer (their orders),
-so its transient counts less one; DualPipeV's F&B units run it beside one. Rehearsals at pp 4, m 8
+In flight (``pipeline_model.in_flight``, the simulator's peaks): micro-batches, with one chunk per rank. A split
+backward (zero-bubble schedules) also holds the gradients its I records until its W (``held_gradients.py``):
+``pipeline_model.held_gradients`` micro-batches of them, added to the activations' peak (they coincide under ZB-H1).
+With several chunks per rank (interleaved, the V's) the chunks are weighed apart, state by state of the rank's order
+(``pipeline_model.chunk_states``): the first stage holds the token ids and embedding, the last the head's logits.
+ZB-H1's loss forward sees one held gradient fewer (its order), so its transient counts less one; the states give
+it exactly with several chunks. Rehearsals at pp 4, m 8
 (``tools/rehearse.py``; GPT 1.3B and Llama-3 8B) agree within 2% on every rank of ZB-H1, ZB-V and DualPipeV.
 
 Transient peaks: when the loss's forward computes its softmax it holds the logits (e), one fp32 copy of
@@ -50,13 +50,13 @@ from functools import cache
 from ..config.schema import Config
 from ..models.counters import mtp_module_parameters, norm_parameters
 from ..optim.grad_buffer import IN_FLIGHT
-from ..pipeline.schedules import chunk_stage, get, schedule_kind, v_shape
+from ..pipeline.schedules import chunk_stage, schedule_kind
 from .activations import chunk_activation_bytes, loss_transient_bytes, recompute_working_bytes, weight_bytes
 from .context_parallel import context_parallel_transient_bytes
 from .hardware import GPU
 from .layout_cache import per_model_layout, stage_layers  # noqa: F401 - timing.py takes them from here
 from .held_gradients import chunk_held_bytes
-from .pipeline_model import held_gradients, in_flight, v_peak, v_states
+from .pipeline_model import chunk_states, chunks_peak, held_gradients, in_flight
 from .moe import expert_replicas, layer_parameters, whole_experts
 from .optimizer_state import muon_share, state_bytes
 
@@ -251,7 +251,8 @@ def estimate_stages(cfg: Config, dp: int, gpu: GPU) -> list[StageMemory]:
         attention += recompute_working_bytes(cfg, gpu)
     flights, loss, held = in_flight(cfg, dp), loss_transient_bytes(cfg), held_gradients(cfg, dp)
     kind = schedule_kind(par.pp, par.virtual_pp, par.pipeline_schedule)
-    states = v_states(kind, par.pp, cfg.train.num_microbatches(dp)) if v_shape(kind) else None
+    states = (chunk_states(kind, par.pp, cfg.train.num_microbatches(dp), par.virtual_pp) if par.virtual_pp > 1
+              else None)
     # per (blocks, MoE blocks, first, last): stages of a uniform split share one value
     chunk_bytes = cache(lambda layers, moe, first, last: chunk_activation_bytes(cfg, gpu, layers, first, last, moe))
     chunk_held = cache(lambda layers, moe, first, last: chunk_held_bytes(cfg, layers, first, last, moe))
@@ -263,14 +264,14 @@ def estimate_stages(cfg: Config, dp: int, gpu: GPU) -> list[StageMemory]:
                   for s in chunks]
         units, held_units = [chunk_bytes(*shape) for shape in shapes], [chunk_held(*shape) for shape in shapes]
         per_unit, per_held = max(units), max(held_units)
-        if states is not None:  # the V: chunks of different sizes, counted state by state
-            active, holding, alive = v_peak(states[rank], units, held_units)
+        if states is not None:  # several chunks of different sizes, counted state by state
+            active, holding, transient, alive = chunks_peak(states[rank], units, held_units, loss, attention)
         else:
             active, holding, alive = flights[rank] * per_unit, held[rank] * per_held, flights[rank]
-        last = loss if stages - 1 in chunks else 0.0
-        if held[rank] and not get(kind).loss_beside_held:  # the loss's forward runs before the I that records the
-            last = max(0.0, last - per_held)  # last of them (unless an F&B unit runs it beside a held one)
-        transient = max(attention, last)
+            last = loss if stages - 1 in chunks else 0.0
+            if held[rank]:  # ZB-H1's loss forward runs before the I that records the last held gradient
+                last = max(0.0, last - per_held)
+            transient = max(attention, last)
         result.append(StageMemory(rank, weights, grads, optimizer, active * tokens, transient * tokens,
                                   gpu.overhead_gib * GIB, alive, host, holding * tokens))
     return result

@@ -7,16 +7,16 @@ activations a rank holds at its peak (from the F to the B, or to the W of a spli
 chunk-micro-batches between their I and the end of their W (the gradients I records, ``held_gradients.py``).
 For the split-backward schedules the most held falls at the activations' peak (the simulator's order), so the two
 add exactly, except in DualPipeV, whose held peak falls in its cool-down, where pp + rank + 1 chunk-micro-batches
-are alive, not 2pp + 1: which is why the memory estimate weighs a V's states (``v_states``) rather than adding
-peaks.
+are alive, not 2pp + 1: which is why the memory estimate weighs the states of several chunks per rank
+(``chunk_states``) rather than adding peaks.
 """
 from __future__ import annotations
 
 from functools import cache
 
 from ..config.schema import Config
-from ..pipeline.program import computes_of
-from ..pipeline.schedules import build_schedule, get, schedule_kind
+from ..pipeline.program import computes_of, virtual_stage
+from ..pipeline.schedules import build_schedule, get, schedule_kind, v_shape
 
 
 def pipeline_bubble(kind: str, pp: int, m: int, virtual_pp: int = 1) -> float:
@@ -44,33 +44,41 @@ def held_gradients(cfg: Config, dp: int) -> list[int]:
 
 
 @cache
-def v_states(kind: str, pp: int, m: int) -> tuple[frozenset, ...]:
-    """The V schedules (``zb-v``, ``dualpipev``), per rank: every (alive chunk 0, alive chunk 1, held chunk 0,
-    held chunk 1) count of chunk-micro-batches its order passes through. Rank 0's two chunks are the first and
-    the last stage, whose sizes differ (token ids and embedding against the head's logits): sizing all of them
-    like the larger (``in_flight`` x the largest chunk) overstated rank 0 by a quarter against a rehearsal, and
-    adding DualPipeV's peaks of activations and held gradients, which fall at different times, overstated every
-    rank. ``v_peak`` weighs each state by the chunks' sizes. An F&B unit's forward counts before its backward
-    frees (as ``in_flight`` assumes); rank 0's chunk 0 holds no I-recorded gradients (its backward runs as W)."""
-    result = []
-    for rank, program in enumerate(build_schedule(kind, pp, m, 2)):
-        alive, held, states = [0, 0], [0, 0], {(0, 0, 0, 0)}
+def chunk_states(kind: str, pp: int, m: int, v: int) -> tuple[frozenset, ...]:
+    """Schedules with several chunks per rank (interleaved, the V's), per rank: every (alive per chunk, held per
+    chunk, whether the loss's forward just ran) count of chunk-micro-batches its order passes through. A rank's
+    chunks differ in size (the first stage's token ids and embedding, the last's head and logits), and the loss's
+    softmax transient comes with the last stage's forwards only: sizing every chunk like the largest (``in_flight``
+    x the largest chunk, plus the transient at the peak) overstated the V's rank 0 by a quarter and an interleaved
+    last rank by half against rehearsals (its head's chunk holds few of the rank's chunk-micro-batches), and adding
+    DualPipeV's peaks of activations and held gradients, which fall at different times, overstated every rank.
+    ``chunks_peak`` weighs each state by the chunks' sizes. An F&B unit's forward counts before its backward frees
+    (as ``in_flight`` assumes); the first stage (rank 0's chunk 0) holds no I-recorded gradients (its backward runs
+    as W)."""
+    result, last_stage = [], pp * v - 1
+    for rank, program in enumerate(build_schedule(kind, pp, m, v)):
+        alive, held, states = [0] * v, [0] * v, {(0,) * (2 * v + 1)}
         for step in program:
             for inst in computes_of(step):
-                counted = rank > 0 or inst.chunk == 1
+                counted = rank > 0 or inst.chunk > 0
                 alive[inst.chunk] += inst.op == "forward"
                 alive[inst.chunk] -= inst.op in ("backward", "backward_weight")
                 held[inst.chunk] += counted and inst.op == "backward_input"
                 held[inst.chunk] -= counted and inst.op == "backward_weight"
-                states.add((*alive, *held))
+                loss = inst.op == "forward" and virtual_stage(rank, inst.chunk, pp, v_shape(kind)) == last_stage
+                states.add((*alive, *held, int(loss)))
         result.append(frozenset(states))
     return tuple(result)
 
 
-def v_peak(states: frozenset, unit: list[float], held_unit: list[float]) -> tuple[float, float, int]:
-    """(activation bytes, held-gradient bytes, chunk-micro-batches alive) at the state of ``v_states`` with the most
-    bytes, ``unit`` and ``held_unit`` being each chunk's per chunk-micro-batch."""
+def chunks_peak(states: frozenset, unit: list[float], held_unit: list[float], loss: float,
+                other: float) -> tuple[float, float, float, int]:
+    """(activation bytes, held-gradient bytes, transient bytes, chunk-micro-batches alive) at the state of
+    ``chunk_states`` with the most bytes, ``unit`` and ``held_unit`` being each chunk's per chunk-micro-batch,
+    ``loss`` the loss's transient (where its forward just ran) and ``other`` the transient that may come anywhere."""
+    v = len(unit)
+
     def weighed(state):
-        return (state[0] * unit[0] + state[1] * unit[1], state[2] * held_unit[0] + state[3] * held_unit[1],
-                state[0] + state[1])
-    return max((weighed(state) for state in states), key=lambda w: w[0] + w[1])
+        return (sum(a * u for a, u in zip(state[:v], unit)), sum(h * u for h, u in zip(state[v:2 * v], held_unit)),
+                max(other, loss * state[-1]), sum(state[:v]))
+    return max((weighed(state) for state in states), key=lambda w: w[0] + w[1] + w[2])

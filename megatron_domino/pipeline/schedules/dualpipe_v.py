@@ -90,4 +90,4 @@ DUALPIPE_V = register(Schedule(
     bubble=lambda pp, m, v: (7 * pp - 5) / 6, in_flight=lambda pp, m, v: [min(2 * pp + 1, 2 * m)] * pp,
     chunks=2, v_shape=True, least_per_pp=2,
     held_gradients=lambda pp, m: [2 * (rank + 1) if rank else 1 for rank in range(pp)],
-    regathers=lambda pp, m: min(1.0, pp / m), f_and_b_units=True, loss_beside_held=True, picture_chunks=2, order=5))
+    regathers=lambda pp, m: min(1.0, pp / m), f_and_b_units=True, picture_chunks=2, order=5))

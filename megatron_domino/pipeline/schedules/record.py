@@ -45,7 +45,6 @@ class Schedule:
     held_gradients: Callable = _nothing_held  # (pp, m) -> per rank, chunk-micro-batches whose I's gradient waits for W
     regathers: Callable = _no_regather  # (pp, m) -> ZeRO-3: share of backwards whose W gathers the weights again
     f_and_b_units: bool = False  # runs F&B units (``program.Overlapped``): parallel.overlap_f_and_b applies
-    loss_beside_held: bool = False  # memory: its loss's forward may run while a gradient is held (an F&B unit)
     planner_default: bool = False  # tried by the planner when no schedule is asked for (its chunk count's default)
     picture_chunks: int = 1  # chunks per rank in its picture (docs/images)
     order: int = 100  # where it is listed (docs, errors, pictures): the order the schedules were published in
