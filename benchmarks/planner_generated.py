@@ -36,9 +36,12 @@ def generated_layouts(seed: int, per_family: int, layers: int) -> list[tuple[str
     draw, specs = random.Random(seed), []
     for path in FAMILIES:
         cfg = load_config(os.path.join(REPO, path), [f"model.num_layers={layers}", "data.mock=true"])
+        searched = {}  # world size -> its candidate layouts: the search is the costly part of a draw
         while sum(spec[0] == path for spec in specs) < per_family:
             world = draw.choice(WORLDS)
-            candidates = candidate_layouts(cfg, world, only={"schedule": names()})  # the split-backward ones too
+            if world not in searched:  # the split-backward schedules too
+                searched[world] = candidate_layouts(cfg, world, only={"schedule": names()})
+            candidates = list(searched[world])
             draw.shuffle(candidates)
             layout = next((c for c in candidates if is_valid(cfg, c)), None)
             if layout is not None:

@@ -248,8 +248,9 @@ class DistributedOptimizer(StateAccess):
             return
         on_device = [(i, m, f) for i, (m, f) in enumerate(zip(self.masters, self.fragments))
                      if i not in self.host.masters]
-        self.optimizer.step(lr, {id(m): updates[i] if i in updates else f.grad if f.grad.dtype.itemsize >= 4
-                                 else f.grad.float() for i, m, f in on_device}, self.steps + 1)  # fp32 or finer
+        self.optimizer.step(lr, {id(m): updates[i] if i in updates  # gradients in fp32, or fp64 as they are
+                                 else f.grad.to(torch.promote_types(f.grad.dtype, torch.float32))
+                                 for i, m, f in on_device}, self.steps + 1)
         if self.qk_clip is not None:
             self.qk_clip.apply(self.masters, self.fragments)
         copies = [(f.data, m) for _, m, f in on_device if m is not f.data]

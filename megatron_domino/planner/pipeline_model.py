@@ -58,6 +58,7 @@ def chunk_states(kind: str, pp: int, m: int, v: int) -> tuple[frozenset, ...]:
     result, last_stage = [], pp * v - 1
     for rank, program in enumerate(build_schedule(kind, pp, m, v)):
         alive, held, states = [0] * v, [0] * v, {(0,) * (2 * v + 1)}
+        loss_chunk = next((c for c in range(v) if virtual_stage(rank, c, pp, v_shape(kind)) == last_stage), None)
         for step in program:
             for inst in computes_of(step):
                 counted = rank > 0 or inst.chunk > 0
@@ -65,8 +66,7 @@ def chunk_states(kind: str, pp: int, m: int, v: int) -> tuple[frozenset, ...]:
                 alive[inst.chunk] -= inst.op in ("backward", "backward_weight")
                 held[inst.chunk] += counted and inst.op == "backward_input"
                 held[inst.chunk] -= counted and inst.op == "backward_weight"
-                loss = inst.op == "forward" and virtual_stage(rank, inst.chunk, pp, v_shape(kind)) == last_stage
-                states.add((*alive, *held, int(loss)))
+                states.add((*alive, *held, int(inst.op == "forward" and inst.chunk == loss_chunk)))
         result.append(frozenset(states))
     return tuple(result)
 
